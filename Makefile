@@ -1,0 +1,56 @@
+# Two commands on a fresh Debian/Ubuntu machine with Python 3.11: `make demo` and `make test`.
+# Both depend on `make setup`, which creates .venv on first use and is a no-op afterwards
+# (until pyproject.toml changes).
+
+PYTHON   ?= python3.11
+VENV     ?= .venv
+BIN      := $(VENV)/bin
+STAMP    := $(VENV)/.setup-stamp
+# CPU wheels of torch; skipped where that host cannot be resolved (pip then takes torch from
+# its configured indexes).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_EXTRA := $(shell getent hosts download.pytorch.org >/dev/null 2>&1 && echo --extra-index-url $(TORCH_INDEX))
+DEMO     ?= build/demo
+BENCH_VENV ?= .venv-bench
+
+.PHONY: setup demo test test-fast bench bench-env lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(TORCH_EXTRA) torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[cpu,dev]'
+	@$(BIN)/python -c "import torch, fbgemm_gpu; print('setup ok: torch', torch.__version__, '+ fbgemm_gpu')"
+	@touch $(STAMP)
+
+demo: setup
+	$(BIN)/dlrm data synth --train-rows 200000 --test-rows 20000 --seed 0 --out $(DEMO)/data > /dev/null
+	$(BIN)/dlrm train --config configs/tiny.toml --train $(DEMO)/data/train.txt --test $(DEMO)/data/test.txt --out $(DEMO)/run
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+
+# Benchmarks run one at a time (2 cores: parallel runs distort each other). TorchRec lives in a
+# separate environment, installed with --no-deps so that it cannot replace fbgemm-gpu-cpu.
+bench-env: $(BENCH_VENV)/.stamp
+
+$(BENCH_VENV)/.stamp: pyproject.toml bench/requirements-torchrec.txt
+	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet $(TORCH_EXTRA) torch==2.13.0
+	$(BENCH_VENV)/bin/pip install --quiet -e '.[cpu]' -r bench/requirements-torchrec.txt
+	$(BENCH_VENV)/bin/pip install --quiet --no-deps torchrec==1.8.0
+	@touch $@
+
+bench: setup bench-env
+	$(BENCH_VENV)/bin/python bench/train_throughput.py
+	$(BIN)/python bench/quality.py
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,125 @@
+"""``dlrm train`` and ``dlrm data synth``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from dense_trainer.config import load_config, parse_override
+
+log = logging.getLogger(__name__)
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a DLRM on Criteo-layout files",
+        description="Train a DLRM on Criteo-layout files (plain or .gz) and write metrics.json, "
+        "curves.png and checkpoints to --out. Precedence: flags > --config file > defaults.",
+    )
+    p.add_argument("--train", nargs="+", type=Path, required=True, metavar="FILE", help="training files, read in order")
+    p.add_argument("--test", nargs="+", type=Path, required=True, metavar="FILE", help="held-out test files")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.add_argument("--config", type=Path, metavar="TOML", help="config file (see configs/)")
+    p.add_argument("--epochs", type=int, help="train.epochs")
+    p.add_argument("--batch-size", type=int, help="train.batch_size")
+    p.add_argument("--embedding-dim", type=int, help="embedding.dim")
+    p.add_argument("--hash-size", type=int, help="embedding.hash_size (rows per table, cap)")
+    p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="override any config field, e.g. --set optim.lr=0.002 (repeatable)",
+    )
+    p.set_defaults(func=run_train)
+
+
+def config_from_args(args: argparse.Namespace):
+    overrides = [parse_override(s) for s in args.set]
+    flags = {
+        ("train", "epochs"): args.epochs,
+        ("train", "batch_size"): args.batch_size,
+        ("embedding", "dim"): args.embedding_dim,
+        ("embedding", "hash_size"): args.hash_size,
+        ("data", "strict"): True if args.strict else None,
+        ("train", "progress"): False if args.no_progress else None,
+    }
+    for (section, key), value in flags.items():
+        if value is not None:
+            overrides.append({section: {key: value}})
+    return load_config(args.config, overrides)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from dense_trainer.data.criteo import check_files
+    from dense_trainer.train import Trainer, prepare_out_dir  # deferred: `dlrm --help` stays fast
+
+    cfg = config_from_args(args)
+    # Cheap checks before the tables are allocated.
+    check_files(args.train, "training")
+    check_files(args.test, "test")
+    prepare_out_dir(args.out)
+    trainer = Trainer(cfg, args.out)
+    metrics = trainer.fit(args.train, args.test, resume=args.resume)
+    print(format_metrics(metrics))
+    return 0
+
+
+def format_metrics(m: dict) -> str:
+    rows = [
+        ("test AUC", f"{m['test_auc']:.4f}"),
+        ("test log loss", f"{m['test_logloss']:.4f}"),
+    ]
+    if m.get("bayes_auc") is not None:
+        rows += [("Bayes-optimal AUC", f"{m['bayes_auc']:.4f}"), ("Bayes-optimal log loss", f"{m['bayes_logloss']:.4f}")]
+    rows += [
+        ("train samples/s", f"{m['train_samples_per_s']:,.0f}"),
+        ("parse rows/s (1 thread)", f"{m['parse_rows_per_s']:,.0f}" if m.get("parse_rows_per_s") else "-"),
+        ("samples seen", f"{m['samples_seen']:,}"),
+        ("steps", f"{m['steps']:,}"),
+        ("epochs", str(m["epochs"])),
+        ("malformed lines skipped", str(m["malformed_lines"])),
+        ("embedding kernel", m["embedding_kernel"]),
+        ("peak RSS", f"{m['peak_rss_mb']:,.0f} MB"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["| metric" + " " * (width - 6) + " | value |", "|" + "-" * (width + 2) + "|-------|"]
+    lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
+    return "\n".join(lines)
+
+
+def add_data_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="data utilities")
+    dsub = p.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    s = dsub.add_parser(
+        "synth",
+        help="generate Criteo-layout data from a planted teacher model",
+        description="Write DIR/train.txt, DIR/test.txt and DIR/bayes.json (the Bayes-optimal AUC "
+        "and log loss of the test split).",
+    )
+    s.add_argument("--train-rows", type=int, required=True, metavar="N")
+    s.add_argument("--test-rows", type=int, required=True, metavar="M")
+    s.add_argument("--out", type=Path, required=True, metavar="DIR")
+    s.add_argument("--seed", type=int, default=0, metavar="S")
+    s.add_argument("--ctr", type=float, default=0.25, help="target click rate (default 0.25)")
+    s.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the id laws (default 1.1)")
+    s.set_defaults(func=run_synth)
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    from dense_trainer.data.synth import synthesize
+    from embedding_server.errors import ConfigError
+
+    if args.train_rows < 1 or args.test_rows < 1:
+        raise ConfigError("--train-rows and --test-rows must be at least 1")
+    if not 0 < args.ctr < 1:
+        raise ConfigError("--ctr must be between 0 and 1")
+    try:
+        bayes = synthesize(args.out, args.train_rows, args.test_rows, args.seed, args.ctr, args.zipf)
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out}: {exc.strerror or exc}") from None
+    print(json.dumps(bayes, indent=2))
+    return 0

@@ -1,0 +1,193 @@
+"""The dense side of DLRM, named as TorchRec names its stages.
+
+    dense [B, I] --DenseArch--> [B, D] --+
+                                         +--InteractionArch--> [B, K] --OverArch--> logit [B]
+    embedded [B, sum D_t] (SparseArch) --+
+
+``SparseArch`` is not here: the embeddings come from an ``EmbeddingClient`` (tables in this
+process or on embedding servers), so this module holds only dense parameters: it is what the
+dense optimizer steps, what DDP wraps, what a checkpoint's ``dense.pt`` and a serving replica
+hold.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dense_trainer.config import ModelConfig
+from embedding_server.client import EmbeddingClient
+from embedding_server.sparse import SparseFeatures
+
+
+def mlp(sizes: list[int], relu_last: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        layers.append(nn.Linear(a, b))
+        if relu_last or i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class SparseArch:
+    """Pooled embeddings of a batch from an embedding client: -> float [B, sum(D_t)]."""
+
+    def __init__(self, client: EmbeddingClient) -> None:
+        self.client = client
+
+    def __call__(self, sparse: SparseFeatures) -> torch.Tensor:
+        return self.client.lookup(sparse)
+
+
+class DenseArch(nn.Module):
+    """Bottom MLP: dense features [B, I] -> [B, D] (ReLU after every layer, as in TorchRec)."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int]) -> None:
+        super().__init__()
+        self.model = mlp([in_features, *layer_sizes], relu_last=True)
+
+    def forward(self, dense: torch.Tensor) -> torch.Tensor:
+        return self.model(dense)
+
+
+class InteractionArch(nn.Module):
+    """DLRM dot interaction: pairwise dot products of the N = F + 1 vectors, plus the dense one.
+
+    [B, D] and [B, F, D] -> [B, D + N(N-1)/2]
+    """
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        n = num_sparse_features + 1
+        rows, cols = torch.triu_indices(n, n, offset=1)
+        self.register_buffer("triu_rows", rows, persistent=False)
+        self.register_buffer("triu_cols", cols, persistent=False)
+
+    @property
+    def num_pairs(self) -> int:
+        return self.triu_rows.numel()
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        combined = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # [B, N, D]
+        gram = torch.bmm(combined, combined.transpose(1, 2))  # [B, N, N]
+        pairs = gram[:, self.triu_rows, self.triu_cols]  # [B, N(N-1)/2]
+        return torch.cat([dense, pairs], dim=1)  # [B, D + N(N-1)/2]
+
+
+class LowRankCrossNet(nn.Module):
+    """DCN-v2 cross layers: x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l, over [B, K]."""
+
+    def __init__(self, in_features: int, num_layers: int, low_rank: int) -> None:
+        super().__init__()
+        rank = low_rank if 0 < low_rank < in_features else None
+        self.v = nn.ModuleList(
+            nn.Linear(in_features, rank, bias=False) if rank else nn.Identity() for _ in range(num_layers)
+        )
+        self.u = nn.ModuleList(
+            nn.Linear(rank or in_features, in_features, bias=True) for _ in range(num_layers)
+        )
+        for layer in [*self.v, *self.u]:
+            if isinstance(layer, nn.Linear):
+                nn.init.xavier_normal_(layer.weight)
+                if layer.bias is not None:
+                    nn.init.zeros_(layer.bias)
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for v, u in zip(self.v, self.u, strict=True):
+            x = x0 * u(v(x)) + x  # [B, K]
+        return x
+
+
+class InteractionDCNArch(nn.Module):
+    """DCN-v2 interaction over the concatenation of dense and all embeddings.
+
+    [B, D] and [B, sum(D_t)] -> [B, D + sum(D_t)]
+    """
+
+    def __init__(self, in_features: int, num_layers: int, low_rank: int) -> None:
+        super().__init__()
+        self.crossnet = LowRankCrossNet(in_features, num_layers, low_rank)
+
+    def forward(self, dense: torch.Tensor, sparse_flat: torch.Tensor) -> torch.Tensor:
+        return self.crossnet(torch.cat([dense, sparse_flat], dim=1))
+
+
+class OverArch(nn.Module):
+    """Top MLP: [B, K] -> logit [B, 1] (no activation on the last layer)."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int]) -> None:
+        super().__init__()
+        self.model = mlp([in_features, *layer_sizes, 1], relu_last=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class DLRMDense(nn.Module):
+    """DenseArch + InteractionArch (dot or DCN-v2) + OverArch.
+
+    Args:
+        num_dense: I, dense features.
+        table_dims: D_t of each sparse feature, in order.
+        cfg: layer sizes and interaction.
+    """
+
+    def __init__(self, num_dense: int, table_dims: list[int], cfg: ModelConfig, embedding_dim: int) -> None:
+        super().__init__()
+        self.table_dims = list(table_dims)
+        d = embedding_dim
+        self.dense_arch = DenseArch(num_dense, [*cfg.dense_arch_layer_sizes, d])
+        # Tables whose dim differs from D are projected to D for the dot interaction.
+        self.mixed_dims = any(t != d for t in table_dims)
+        self.project = (
+            nn.ModuleList(nn.Identity() if t == d else nn.Linear(t, d, bias=False) for t in table_dims)
+            if self.mixed_dims and cfg.interaction == "dot"
+            else None
+        )
+        if cfg.interaction == "dot":
+            self.inter_arch: nn.Module = InteractionArch(len(table_dims))
+            over_in = d + self.inter_arch.num_pairs
+        else:
+            over_in = d + sum(table_dims)
+            self.inter_arch = InteractionDCNArch(over_in, cfg.dcn_num_layers, cfg.dcn_low_rank)
+        self.interaction = cfg.interaction
+        self.over_arch = OverArch(over_in, cfg.over_arch_layer_sizes)
+
+    def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """dense float [B, I], embedded float [B, sum(D_t)] -> logits float [B]."""
+        x = self.dense_arch(dense)  # [B, D]
+        if self.interaction == "dcn":
+            z = self.inter_arch(x, embedded)  # [B, D + sum(D_t)]
+        else:
+            if self.project is None:
+                sparse = embedded.view(embedded.shape[0], len(self.table_dims), -1)  # [B, F, D]
+            else:
+                parts = torch.split(embedded, self.table_dims, dim=1)
+                sparse = torch.stack([p(e) for p, e in zip(self.project, parts, strict=True)], 1)
+            z = self.inter_arch(x, sparse)  # [B, D + N(N-1)/2]
+        return self.over_arch(z).squeeze(1)
+
+
+class LogisticRegression(nn.Module):
+    """Hashed-feature logistic regression: logit = w . dense + sum_f e_f[id_f] + b.
+
+    The per-row weights e_f are dim-1 embedding tables (trained by the fused sparse optimizer).
+    """
+
+    def __init__(self, num_dense: int, num_sparse: int) -> None:
+        super().__init__()
+        self.num_sparse = num_sparse
+        self.linear = nn.Linear(num_dense, 1)
+
+    def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """dense [B, I], embedded [B, F] -> logits [B]."""
+        return self.linear(dense).squeeze(1) + embedded.sum(dim=1)
+
+
+def build_dense_model(
+    cfg: ModelConfig, num_dense: int, table_dims: list[int], embedding_dim: int
+) -> nn.Module:
+    if cfg.kind == "lr":
+        return LogisticRegression(num_dense, len(table_dims))
+    return DLRMDense(num_dense, table_dims, cfg, embedding_dim)

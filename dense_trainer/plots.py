@@ -1,0 +1,35 @@
+"""``curves.png``: training loss and test AUC against samples seen."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_curves(history: list[dict], path: Path, title: str, bayes_auc: float | None = None) -> None:
+    """Plot ``history`` entries: ``{"samples", "train_loss"}`` and/or ``{"samples", "test_auc"}``."""
+    loss = [(h["samples"], h["train_loss"]) for h in history if "train_loss" in h]
+    auc = [(h["samples"], h["test_auc"]) for h in history if h.get("test_auc") is not None]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if loss:
+        ax1.plot(*zip(*loss, strict=True), color="tab:blue")
+    ax1.set_xlabel("samples seen")
+    ax1.set_ylabel("train log loss (running mean)")
+    ax1.grid(alpha=0.3)
+    if auc:
+        ax2.plot(*zip(*auc, strict=True), marker="o", color="tab:orange", label="test AUC")
+    if bayes_auc is not None:
+        ax2.axhline(bayes_auc, color="gray", linestyle="--", label=f"Bayes-optimal {bayes_auc:.4f}")
+    ax2.set_xlabel("samples seen")
+    ax2.set_ylabel("test AUC")
+    ax2.grid(alpha=0.3)
+    if auc or bayes_auc is not None:
+        ax2.legend(loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,403 @@
+"""The training loop: build, train, evaluate, checkpoint, resume.
+
+The system is built in one fixed order, each stage needing the one before:
+
+    feature spec (tables, hashing)  ->  embedding client (shards + fused sparse optimizer)
+    ->  dense model (DenseArch, InteractionArch, OverArch)  ->  dense optimizer  ->  data pipeline
+
+One step: the client looks up pooled embeddings (autograd-connected), the dense model turns
+them and the dense features into logits, and ``backward`` updates the embedding rows (fused in
+the client's backward) before the dense optimizer steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as nnf
+from tqdm import tqdm
+
+from dense_trainer.config import Config, DenseOptimizerConfig
+from dense_trainer.data.batch import Batch, Position
+from dense_trainer.data.criteo import check_files
+from dense_trainer.data.loader import CriteoLoader
+from dense_trainer.metrics import log_loss_from_logits, roc_auc
+from dense_trainer.model import SparseArch, build_dense_model
+from dense_trainer.plots import plot_curves
+from embedding_server.checkpoint import (
+    latest_checkpoint,
+    load_file,
+    read_manifest,
+    write_checkpoint,
+)
+from embedding_server.client import EmbeddingClient, InProcessEmbeddingClient
+from embedding_server.errors import CheckpointError, ConfigError, DataError
+from embedding_server.features import FeatureSpec
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILES = ("embeddings.pt", "dense.pt", "optimizer.pt", "trainer.pt")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = cuda, but no CUDA device is available")
+    return torch.device(name)
+
+
+def build_dense_optimizer(cfg: DenseOptimizerConfig, params) -> torch.optim.Optimizer:
+    params = list(params)
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[cfg.kind]
+    if cfg.kind != "sgd":
+        kwargs["eps"] = cfg.eps
+    try:
+        return cls(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError):  # no fused kernel for this device/dtype
+        return cls(params, foreach=True, **kwargs)
+
+
+def prepare_out_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` and check that it is writable, or fail naming it."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--out {out_dir}: not writable ({exc.strerror or exc})") from None
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@dataclass
+class TrainState:
+    """Everything besides tensors needed to continue a run exactly."""
+
+    step: int = 0
+    samples_seen: int = 0
+    position: Position = field(default_factory=Position)
+    train_seconds: float = 0.0
+    history: list[dict] = field(default_factory=list)
+    bad_lines: dict = field(default_factory=dict)
+    parse_rows: int = 0
+    parse_seconds: float = 0.0
+
+
+class Trainer:
+    """Single-process DLRM training (the embedded default) on an injectable embedding client.
+
+    Args:
+        cfg: the run's configuration.
+        out_dir: where metrics, plot and checkpoints go.
+        client: where the tables live; default: in this process, built from ``cfg``.
+    """
+
+    def __init__(self, cfg: Config, out_dir: Path, client: EmbeddingClient | None = None) -> None:
+        self.cfg = cfg
+        self.out_dir = Path(out_dir)
+        self.device = resolve_device(cfg.train.device)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        torch.manual_seed(cfg.train.seed)
+
+        # 1. feature spec: tables, hashing
+        self.spec: FeatureSpec = cfg.feature_spec()
+        # 2. embedding client: shards with the fused sparse optimizer
+        self.client = client or InProcessEmbeddingClient(
+            self.spec.tables, cfg.embedding.optimizer, cfg.embedding.device, cfg.train.seed
+        )
+        self.sparse_arch = SparseArch(self.client)
+        # 3. dense model
+        dims = [t.dim for t in self.spec.tables]
+        self.model = build_dense_model(cfg.model, len(self.spec.dense), dims, cfg.embedding.dim)
+        self.model.to(self.device)
+        # 4. dense optimizer
+        self.optimizer = build_dense_optimizer(cfg.optim, self.model.parameters())
+        self.state = TrainState()
+        self._stop_signal: int | None = None
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits float [B] of a batch."""
+        embedded = self.sparse_arch(batch.sparse)  # [B, sum(D_t)]
+        dense = batch.dense.to(self.device, non_blocking=True)  # [B, I]
+        return self.model(dense, embedded.to(self.device, non_blocking=True))
+
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        """One optimizer step on a batch; returns the (detached) mean loss."""
+        self.model.train()
+        logits = self.forward(batch)
+        labels = batch.labels.to(self.device, non_blocking=True)
+        loss = nnf.binary_cross_entropy_with_logits(logits, labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # also applies the fused sparse update to the embedding rows
+        self.optimizer.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        return self.forward(batch)
+
+    def evaluate(self, files: list[Path], max_rows: int = 0) -> dict[str, float]:
+        """Exact AUC and log loss over ``files`` (the first ``max_rows`` rows when > 0)."""
+        loader = self._loader(files, self.cfg.train.eval_batch_size, epochs=1, max_rows=max_rows)
+        logits, labels = [], []
+        for batch in loader:
+            logits.append(self.predict(batch).float().cpu().numpy())
+            labels.append(batch.labels.numpy())
+        if not logits:
+            raise DataError(f"no valid rows in the test data ({', '.join(map(str, files))})")
+        z, y = np.concatenate(logits), np.concatenate(labels)
+        return {"test_auc": roc_auc(z, y), "test_logloss": log_loss_from_logits(z, y), "test_rows": int(y.size)}
+
+    def _loader(self, files, batch_size, epochs, start=None, max_rows=0) -> CriteoLoader:
+        d = self.cfg.data
+        return CriteoLoader(
+            files, self.spec, batch_size, num_workers=d.num_workers, block_bytes=d.block_bytes,
+            prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs, start=start,
+            max_rows=max_rows, pin_memory=self.device.type == "cuda",
+        )
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def _compat_meta(self) -> dict[str, Any]:
+        return {
+            "feature_spec": self.spec.model_dump(),
+            "model": self.cfg.model.model_dump(),
+            "embedding_dim": self.cfg.embedding.dim,
+            "sparse_optimizer": self.cfg.embedding.optimizer.kind,
+            "dense_optimizer": self.cfg.optim.kind,
+        }
+
+    def save_checkpoint(self) -> Path:
+        s = self.state
+        trainer_state = {
+            "step": s.step,
+            "samples_seen": s.samples_seen,
+            "position": s.position.to_dict(),
+            "train_seconds": s.train_seconds,
+            "history": s.history,
+            "bad_lines": s.bad_lines,
+            "parse_rows": s.parse_rows,
+            "parse_seconds": s.parse_seconds,
+            "torch_rng": torch.get_rng_state(),
+        }
+        files = {
+            "embeddings.pt": self.client.export_state(),
+            "dense.pt": self.model.state_dict(),
+            "optimizer.pt": self.optimizer.state_dict(),
+            "trainer.pt": trainer_state,
+        }
+        meta = {**self._compat_meta(), "config": self.cfg.model_dump(mode="json"), "kernel": self.client.kernel}
+        path = write_checkpoint(self.checkpoint_dir, s.step, files, meta, keep=self.cfg.train.keep_checkpoints)
+        log.info("checkpoint written: %s", path)
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        manifest = read_manifest(path)
+        saved, mine = manifest["meta"], self._compat_meta()
+        for key, value in mine.items():
+            if saved.get(key) != value:
+                raise CheckpointError(
+                    f"checkpoint {path} does not match this model: {key} differs "
+                    f"(checkpoint {json.dumps(saved.get(key))[:200]}, now {json.dumps(value)[:200]})"
+                )
+        self.client.import_state(load_file(path, "embeddings.pt", mmap=True))
+        self.model.load_state_dict(load_file(path, "dense.pt"))
+        self.optimizer.load_state_dict(load_file(path, "optimizer.pt"))
+        t = load_file(path, "trainer.pt")
+        torch.set_rng_state(t["torch_rng"])
+        self.state = TrainState(
+            step=t["step"], samples_seen=t["samples_seen"], position=Position(**t["position"]),
+            train_seconds=t["train_seconds"], history=list(t["history"]), bad_lines=dict(t["bad_lines"]),
+            parse_rows=t["parse_rows"], parse_seconds=t["parse_seconds"],
+        )
+        log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples_seen)
+
+    # -- the run -----------------------------------------------------------------------------------
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._stop_signal = signum
+        log.warning("received %s: stopping after this step and writing a checkpoint", signal.Signals(signum).name)
+
+    def fit(
+        self,
+        train_files: list[Path],
+        test_files: list[Path],
+        resume: bool = False,
+        on_step: Callable[[int, float], None] | None = None,
+    ) -> dict[str, Any]:
+        """Train for ``cfg.train.epochs`` (or ``max_steps``), evaluate, write metrics and plot.
+
+        Returns:
+            The metrics written to ``out_dir/metrics.json``.
+        """
+        cfg = self.cfg.train
+        check_files(train_files, "training")
+        check_files(test_files, "test")
+        prepare_out_dir(self.out_dir)
+        if resume:
+            ckpt = latest_checkpoint(self.checkpoint_dir)
+            if ckpt is None:
+                log.warning("--resume: no checkpoint in %s; starting from the beginning", self.checkpoint_dir)
+            else:
+                self.load_checkpoint(ckpt)
+
+        s = self.state
+        loader = self._loader(train_files, cfg.batch_size, cfg.epochs, start=s.position)
+        loader.bad_lines.restore(s.bad_lines)
+        old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        bar = tqdm(
+            desc="train", unit="samples", unit_scale=True, disable=not cfg.progress,
+            dynamic_ncols=True, mininterval=0.5, file=sys.stderr, initial=s.samples_seen,
+        )
+        loss_sum = torch.zeros((), device=self.device)
+        loss_steps, loss_samples = 0, 0
+        epoch = s.position.epoch
+        finished = True
+        self._parse_base = (0, 0.0)
+        t_last = time.perf_counter()
+        try:
+            for batch in loader:
+                if cfg.max_steps and s.step >= cfg.max_steps:
+                    finished = False
+                    break
+                if batch.position.epoch != epoch:  # the previous epoch ended
+                    self._evaluate_into_history(test_files, final=False)
+                    epoch = batch.position.epoch
+                    t_last = time.perf_counter()
+                loss = self.train_step(batch)
+                b = batch.batch_size
+                loss_sum += loss * b
+                loss_steps += 1
+                loss_samples += b
+                s.step += 1
+                s.samples_seen += b
+                s.position = batch.position
+                now = time.perf_counter()
+                s.train_seconds += now - t_last
+                t_last = now
+                if on_step is not None:
+                    on_step(s.step, float(loss))
+                if loss_steps % 20 == 0 or loss_steps == 1:
+                    running = float(loss_sum) / loss_samples
+                    bar.set_postfix(loss=f"{running:.4f}", epoch=epoch, refresh=False)
+                    s.history.append({"samples": s.samples_seen, "train_loss": running})
+                    loss_sum.zero_()
+                    loss_samples = 0
+                bar.update(b)
+                if cfg.eval_every_steps and s.step % cfg.eval_every_steps == 0:
+                    self._evaluate_into_history(test_files, final=False)
+                    t_last = time.perf_counter()
+                if cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0:
+                    self._checkpoint_with(loader)
+                    t_last = time.perf_counter()
+                if self._stop_signal is not None or (cfg.max_steps and s.step >= cfg.max_steps):
+                    finished = False
+                    break
+        finally:
+            bar.close()
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+            loader.close()
+        summary = loader.bad_lines.summary()
+        if summary:
+            log.warning(summary)
+        self._checkpoint_with(loader)
+        if self._stop_signal is not None:
+            raise KeyboardInterrupt(
+                f"stopped by {signal.Signals(self._stop_signal).name} at step {s.step}; "
+                f"checkpoint written to {self.checkpoint_dir}, continue with --resume"
+            )
+        if s.samples_seen == 0:
+            raise DataError(f"no valid rows in the training data ({', '.join(map(str, train_files))})")
+        final = self._evaluate_into_history(test_files, final=True)
+        metrics = self._write_metrics(final, train_files, test_files, finished)
+        return metrics
+
+    def _checkpoint_with(self, loader: CriteoLoader) -> None:
+        """Fold the loader's counters into the state, then checkpoint."""
+        s = self.state
+        s.bad_lines = loader.bad_lines.state()
+        rows0, secs0 = self._parse_base
+        s.parse_rows += loader.stats.rows - rows0
+        s.parse_seconds += loader.stats.parse_seconds - secs0
+        self._parse_base = (loader.stats.rows, loader.stats.parse_seconds)
+        self.save_checkpoint()
+
+    def _evaluate_into_history(self, test_files: list[Path], final: bool) -> dict[str, float]:
+        max_rows = 0 if final else self.cfg.train.eval_max_rows
+        t0 = time.perf_counter()
+        result = self.evaluate(test_files, max_rows=max_rows)
+        log.info(
+            "eval at %d samples: AUC %.4f, log loss %.4f over %d rows (%.1fs)",
+            self.state.samples_seen, result["test_auc"], result["test_logloss"], result["test_rows"],
+            time.perf_counter() - t0,
+        )
+        self.state.history.append({"samples": self.state.samples_seen, **result, "final": final})
+        return result
+
+    def _write_metrics(self, final: dict, train_files, test_files, finished: bool) -> dict[str, Any]:
+        s = self.state
+        bayes = _bayes_beside(test_files)
+        metrics: dict[str, Any] = {
+            "test_auc": final["test_auc"],
+            "test_logloss": final["test_logloss"],
+            "test_rows": final["test_rows"],
+            "train_samples_per_s": s.samples_seen / s.train_seconds if s.train_seconds else math.nan,
+            "samples_seen": s.samples_seen,
+            "steps": s.step,
+            "epochs": self.cfg.train.epochs,
+            "completed": finished,
+            "train_seconds": s.train_seconds,
+            "parse_rows_per_s": s.parse_rows / s.parse_seconds if s.parse_seconds else None,
+            "malformed_lines": s.bad_lines.get("count", 0),
+            "embedding_kernel": self.client.kernel,
+            "device": str(self.device),
+            "peak_rss_mb": peak_rss_mb(),
+            "bayes_auc": bayes.get("test_auc") if bayes else None,
+            "bayes_logloss": bayes.get("test_logloss") if bayes else None,
+            "train_files": [str(f) for f in train_files],
+            "test_files": [str(f) for f in test_files],
+            "history": s.history,
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        (self.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        title = f"{self.cfg.model.kind}/{self.cfg.model.interaction}: test AUC {final['test_auc']:.4f}"
+        plot_curves(s.history, self.out_dir / "curves.png", title, metrics["bayes_auc"])
+        return metrics
+
+
+def _bayes_beside(test_files: list[Path]) -> dict | None:
+    """The generator's ``bayes.json`` next to a single generated test file, if there is one."""
+    if len(test_files) != 1:
+        return None
+    path = Path(test_files[0]).parent / "bayes.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,58 @@
+"""The ``dlrm`` command: one entry point, one subcommand per job.
+
+Errors meant for the user (bad flags, config typos, missing or malformed files, corrupt
+checkpoints) end the command with one line on stderr and a non-zero exit status; set
+``DLRM_DEBUG=1`` to see the traceback as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dense_trainer.cli import add_data_parser, add_train_parser
+
+    parser = argparse.ArgumentParser(prog="dlrm", description="Disaggregated DLRM training and serving.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_train_parser(sub)
+    add_data_parser(sub)
+    return parser
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Our packages log at INFO (DEBUG with -v); third-party libraries only warnings (fbgemm logs
+    every TBE's full argument list at INFO on the root logger)."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for name in ("embedding_server", "dense_trainer", "api", "dlrm"):
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+    from embedding_server.errors import DlrmError
+
+    try:
+        return args.func(args)
+    except DlrmError as exc:
+        if os.environ.get("DLRM_DEBUG"):
+            raise
+        print(f"dlrm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as exc:
+        print(f"dlrm {args.command}: {exc or 'interrupted'}", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

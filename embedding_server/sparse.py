@@ -1,0 +1,80 @@
+"""The id batch that crosses from data to embeddings: a jagged tensor in TBE layout.
+
+A batch of B examples with F sparse features is F*B bags. Bags are stored feature-major, the
+layout fbgemm's table-batched embedding (TBE) kernels take: bag ``(f, b)`` holds the rows
+``values[offsets[f*B + b] : offsets[f*B + b + 1]]`` of feature f's table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SparseFeatures:
+    """Row ids of F features for B examples.
+
+    Attributes:
+        values: int64 [N], row ids already hashed into each feature's table.
+        offsets: int64 [F*B + 1], bag boundaries in ``values``, feature-major.
+        batch_size: B.
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+    batch_size: int
+
+    @property
+    def num_features(self) -> int:
+        return (self.offsets.numel() - 1) // max(self.batch_size, 1)
+
+    @classmethod
+    def from_lengths(cls, values: torch.Tensor, lengths: torch.Tensor) -> SparseFeatures:
+        """Build from per-bag lengths, int [F, B]."""
+        f, b = lengths.shape
+        offsets = torch.zeros(f * b + 1, dtype=torch.int64)
+        torch.cumsum(lengths.reshape(-1).to(torch.int64), 0, out=offsets[1:])
+        return cls(values=values.to(torch.int64), offsets=offsets, batch_size=b)
+
+    @classmethod
+    def one_hot(cls, ids: torch.Tensor) -> SparseFeatures:
+        """Build from one id per bag, int [F, B]."""
+        f, b = ids.shape
+        return cls(
+            values=ids.reshape(-1).to(torch.int64),
+            offsets=torch.arange(f * b + 1, dtype=torch.int64),
+            batch_size=b,
+        )
+
+    def lengths(self) -> torch.Tensor:
+        """Bag lengths, int64 [F, B]."""
+        return (self.offsets[1:] - self.offsets[:-1]).view(-1, self.batch_size)
+
+    def feature_values(self, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids of feature f and its B+1 offsets (rebased to 0)."""
+        b = self.batch_size
+        offs = self.offsets[f * b : (f + 1) * b + 1]
+        return self.values[offs[0] : offs[-1]], offs - offs[0]
+
+    def select_features(self, features: list[int]) -> SparseFeatures:
+        """The sub-batch of some features, in the given order (used to route ids to shards)."""
+        vals, offs, base = [], [torch.zeros(1, dtype=torch.int64)], 0
+        for f in features:
+            v, o = self.feature_values(f)
+            vals.append(v)
+            offs.append(o[1:] + base)
+            base += v.numel()
+        values = torch.cat(vals) if vals else self.values[:0]
+        return SparseFeatures(values=values, offsets=torch.cat(offs), batch_size=self.batch_size)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseFeatures:
+        return SparseFeatures(
+            values=self.values.to(device, non_blocking=non_blocking),
+            offsets=self.offsets.to(device, non_blocking=non_blocking),
+            batch_size=self.batch_size,
+        )
+
+    def pin_memory(self) -> SparseFeatures:
+        return SparseFeatures(self.values.pin_memory(), self.offsets.pin_memory(), self.batch_size)

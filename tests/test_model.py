@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from dense_trainer.config import ModelConfig
+from dense_trainer.model import (
+    DenseArch,
+    DLRMDense,
+    InteractionArch,
+    InteractionDCNArch,
+    LogisticRegression,
+    OverArch,
+)
+
+B, I, F, D = 5, 13, 26, 16
+
+
+def test_dense_arch_shape_and_relu():
+    out = DenseArch(I, [32, D])(torch.randn(B, I))
+    assert out.shape == (B, D) and torch.all(out >= 0)
+
+
+def test_dot_interaction_golden_values():
+    arch = InteractionArch(num_sparse_features=2)
+    dense = torch.tensor([[1.0, 2.0]])  # B=1, D=2
+    sparse = torch.tensor([[[3.0, 0.0], [0.0, 4.0]]])  # F=2
+    out = arch(dense, sparse)
+    # [dense, <d,s1>, <d,s2>, <s1,s2>] = [1, 2, 3, 8, 0]
+    assert out.tolist() == [[1.0, 2.0, 3.0, 8.0, 0.0]]
+
+
+def test_dot_interaction_shape():
+    arch = InteractionArch(F)
+    out = arch(torch.randn(B, D), torch.randn(B, F, D))
+    assert out.shape == (B, D + (F + 1) * F // 2) == (B, D + arch.num_pairs)
+
+
+def test_dcn_shape_and_identity_at_zero_weights():
+    arch = InteractionDCNArch(D + F * D, num_layers=2, low_rank=8)
+    dense, flat = torch.randn(B, D), torch.randn(B, F * D)
+    assert arch(dense, flat).shape == (B, D + F * D)
+    for layer in arch.crossnet.u:
+        torch.nn.init.zeros_(layer.weight)
+    # x0 * (0 + 0) + x_l = x_l: zero cross weights pass the input through.
+    torch.testing.assert_close(arch(dense, flat), torch.cat([dense, flat], 1))
+
+
+def test_over_arch_shape():
+    assert OverArch(40, [8]).forward(torch.randn(B, 40)).shape == (B, 1)
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_dlrm_dense_uniform_and_mixed_dims(interaction):
+    cfg = ModelConfig(interaction=interaction, dense_arch_layer_sizes=[32], over_arch_layer_sizes=[16])
+    model = DLRMDense(I, [D] * F, cfg, embedding_dim=D)
+    assert model(torch.randn(B, I), torch.randn(B, F * D)).shape == (B,)
+    dims = [8, 16, 32] * 8 + [4, 4]
+    mixed = DLRMDense(I, dims, cfg, embedding_dim=D)
+    assert mixed(torch.randn(B, I), torch.randn(B, sum(dims))).shape == (B,)
+    assert (mixed.project is not None) == (interaction == "dot")
+
+
+def test_logistic_regression():
+    lr = LogisticRegression(I, F)
+    torch.nn.init.zeros_(lr.linear.weight)
+    torch.nn.init.constant_(lr.linear.bias, 0.5)
+    emb = torch.randn(B, F)
+    torch.testing.assert_close(lr(torch.randn(B, I), emb), emb.sum(1) + 0.5)
