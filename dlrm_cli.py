@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"dlrm {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `dlrm ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt as exc:
         print(f"dlrm {args.command}: {exc or 'interrupted'}", file=sys.stderr)
         return 130

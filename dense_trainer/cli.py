@@ -78,6 +78,7 @@ def format_metrics(m: dict) -> str:
     rows += [
         ("train samples/s", f"{m['train_samples_per_s']:,.0f}"),
         ("parse rows/s (1 thread)", f"{m['parse_rows_per_s']:,.0f}" if m.get("parse_rows_per_s") else "-"),
+        ("time waiting for data", f"{100 * m['data_wait_share']:.1f}%" if m.get("data_wait_share") is not None else "-"),
         ("samples seen", f"{m['samples_seen']:,}"),
         ("steps", f"{m['steps']:,}"),
         ("epochs", str(m["epochs"])),

@@ -65,6 +65,9 @@ class EmbeddingConfig(_Section):
     """Pooling of multi-hot bags."""
     tables: list[TableOverride] = []
     """Per-table overrides, e.g. ``{name = "C3", rows = 10000000, dim = 32}``."""
+    init_scale: float = Field(default=0.05, ge=0)
+    """Initial weights are uniform(+-init_scale) (Keras's default); 0: uniform(+-sqrt(1/rows)),
+    the TorchRec / DLRM-reference rule, which starts large tables near zero and learns slower."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where the tables live: host memory (the parameter-node default) or GPU memory."""
     optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
@@ -94,7 +97,7 @@ class DenseOptimizerConfig(_Section):
 
     kind: Literal["adam", "adagrad", "sgd"] = "adam"
     """adam, adagrad or sgd."""
-    lr: float = Field(default=1e-3, gt=0)
+    lr: float = Field(default=3e-3, gt=0)
     """Learning rate of the dense parameters."""
     weight_decay: float = Field(default=0.0, ge=0)
     """L2 weight decay of the dense parameters."""
@@ -107,8 +110,8 @@ class TrainConfig(_Section):
 
     epochs: int = Field(default=1, ge=1)
     """Passes over the training files."""
-    batch_size: int = Field(default=2048, ge=1)
-    """Examples per step."""
+    batch_size: int = Field(default=512, ge=1)
+    """Examples per step (512: the best one-epoch AUC in bench/quality.py; 2048 is faster)."""
     eval_batch_size: int = Field(default=16384, ge=1)
     """Examples per evaluation forward pass."""
     eval_every_steps: int = Field(default=0, ge=0)

@@ -50,6 +50,31 @@ class DenseArch(nn.Module):
         return self.model(dense)
 
 
+class _PairwiseDots(torch.autograd.Function):
+    """Upper-triangle dot products of N vectors, with a backward that uses the symmetry.
+
+    Forward: gram = Z Z^T (one bmm), then the P = N(N-1)/2 entries above the diagonal.
+    Backward: dZ = (G + G^T) Z with G the pair gradients scattered into N x N: one bmm, where
+    autograd's generic backward of ``bmm(Z, Z^T)`` would run two (one per operand).
+    """
+
+    @staticmethod
+    def forward(ctx, z, upper, lower):  # z [B, N, D]; upper/lower: flat indices of (i<j) and (j>i)
+        b, n, _ = z.shape
+        gram = torch.bmm(z, z.transpose(1, 2))  # [B, N, N]
+        ctx.save_for_backward(z, upper, lower)
+        return gram.view(b, n * n).index_select(1, upper)  # [B, P]
+
+    @staticmethod
+    def backward(ctx, grad_pairs):  # [B, P]
+        z, upper, lower = ctx.saved_tensors
+        b, n, _ = z.shape
+        sym = grad_pairs.new_zeros(b, n * n)
+        sym.index_copy_(1, upper, grad_pairs)
+        sym.index_copy_(1, lower, grad_pairs)  # G + G^T (the diagonal is never selected)
+        return torch.bmm(sym.view(b, n, n), z), None, None  # [B, N, D]
+
+
 class InteractionArch(nn.Module):
     """DLRM dot interaction: pairwise dot products of the N = F + 1 vectors, plus the dense one.
 
@@ -60,17 +85,16 @@ class InteractionArch(nn.Module):
         super().__init__()
         n = num_sparse_features + 1
         rows, cols = torch.triu_indices(n, n, offset=1)
-        self.register_buffer("triu_rows", rows, persistent=False)
-        self.register_buffer("triu_cols", cols, persistent=False)
+        self.register_buffer("upper", rows * n + cols, persistent=False)  # flat (i, j), i < j
+        self.register_buffer("lower", cols * n + rows, persistent=False)  # flat (j, i)
 
     @property
     def num_pairs(self) -> int:
-        return self.triu_rows.numel()
+        return self.upper.numel()
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         combined = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # [B, N, D]
-        gram = torch.bmm(combined, combined.transpose(1, 2))  # [B, N, N]
-        pairs = gram[:, self.triu_rows, self.triu_cols]  # [B, N(N-1)/2]
+        pairs = _PairwiseDots.apply(combined, self.upper, self.lower)  # [B, N(N-1)/2]
         return torch.cat([dense, pairs], dim=1)  # [B, D + N(N-1)/2]
 
 

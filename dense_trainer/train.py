@@ -95,6 +95,7 @@ class TrainState:
     samples_seen: int = 0
     position: Position = field(default_factory=Position)
     train_seconds: float = 0.0
+    data_wait_seconds: float = 0.0
     history: list[dict] = field(default_factory=list)
     bad_lines: dict = field(default_factory=dict)
     parse_rows: int = 0
@@ -122,7 +123,8 @@ class Trainer:
         self.spec: FeatureSpec = cfg.feature_spec()
         # 2. embedding client: shards with the fused sparse optimizer
         self.client = client or InProcessEmbeddingClient(
-            self.spec.tables, cfg.embedding.optimizer, cfg.embedding.device, cfg.train.seed
+            self.spec.tables, cfg.embedding.optimizer, cfg.embedding.device, cfg.train.seed,
+            cfg.embedding.init_scale or None,
         )
         self.sparse_arch = SparseArch(self.client)
         # 3. dense model
@@ -200,6 +202,7 @@ class Trainer:
             "samples_seen": s.samples_seen,
             "position": s.position.to_dict(),
             "train_seconds": s.train_seconds,
+            "data_wait_seconds": s.data_wait_seconds,
             "history": s.history,
             "bad_lines": s.bad_lines,
             "parse_rows": s.parse_rows,
@@ -233,7 +236,7 @@ class Trainer:
         torch.set_rng_state(t["torch_rng"])
         self.state = TrainState(
             step=t["step"], samples_seen=t["samples_seen"], position=Position(**t["position"]),
-            train_seconds=t["train_seconds"], history=list(t["history"]), bad_lines=dict(t["bad_lines"]),
+            train_seconds=t["train_seconds"], data_wait_seconds=t["data_wait_seconds"], history=list(t["history"]), bad_lines=dict(t["bad_lines"]),
             parse_rows=t["parse_rows"], parse_seconds=t["parse_seconds"],
         )
         log.info("resumed from %s (step %d, %d samples seen)", path, self.state.step, self.state.samples_seen)
@@ -283,6 +286,7 @@ class Trainer:
         t_last = time.perf_counter()
         try:
             for batch in loader:
+                s.data_wait_seconds += time.perf_counter() - t_last  # time the loader kept us waiting
                 if cfg.max_steps and s.step >= cfg.max_steps:
                     finished = False
                     break
@@ -374,6 +378,7 @@ class Trainer:
             "epochs": self.cfg.train.epochs,
             "completed": finished,
             "train_seconds": s.train_seconds,
+            "data_wait_share": s.data_wait_seconds / s.train_seconds if s.train_seconds else None,
             "parse_rows_per_s": s.parse_rows / s.parse_seconds if s.parse_seconds else None,
             "malformed_lines": s.bad_lines.get("count", 0),
             "embedding_kernel": self.client.kernel,

@@ -103,6 +103,9 @@ def write_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(root)
+    except (OSError, RuntimeError) as exc:  # disk full, permissions; torch wraps some as RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -58,10 +58,11 @@ class InProcessEmbeddingClient(EmbeddingClient):
         optimizer: SparseOptimizerConfig,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        init_scale: float | None = None,
     ) -> None:
         self.tables = tables
         self.shard = EmbeddingShard(
-            [LocalTable(t, i) for i, t in enumerate(tables)], optimizer, device, seed
+            [LocalTable(t, i) for i, t in enumerate(tables)], optimizer, device, seed, init_scale
         )
         self.device = torch.device(device)
 

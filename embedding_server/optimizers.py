@@ -27,10 +27,13 @@ class SparseOptimizerConfig(BaseModel):
     kind: SparseOptimizerKind = "rowwise_adagrad"
     """rowwise_adagrad (one accumulator per row: 4 bytes/row of state, the DLRM default),
     adagrad (one per element), adam (two per element) or sgd (no state)."""
-    lr: float = Field(default=0.05, gt=0)
+    lr: float = Field(default=0.2, gt=0)
     """Learning rate of the embedding rows."""
     eps: float = Field(default=1e-8, gt=0)
     """Denominator epsilon of Adagrad/Adam."""
+    initial_accumulator: float = Field(default=1e-4, ge=0)
+    """Starting value of the (row-wise) Adagrad accumulators, as Keras/TF Adagrad's
+    ``initial_accumulator_value``: damps the first, noisiest updates of rarely seen rows."""
     beta1: float = Field(default=0.9, ge=0, lt=1)
     """Adam's first-moment decay."""
     beta2: float = Field(default=0.999, ge=0, lt=1)

@@ -49,14 +49,15 @@ class LocalTable:
         )
 
 
-def init_rows(local: LocalTable, seed: int) -> torch.Tensor:
-    """Initial weights of a table piece: uniform(+-sqrt(1/rows)) as in TorchRec, float [R, D].
+def init_rows(local: LocalTable, seed: int, init_scale: float | None = None) -> torch.Tensor:
+    """Initial weights of a table piece, float [R, D]: uniform(+-init_scale), or
+    uniform(+-sqrt(1/rows)) as in TorchRec and the DLRM reference when ``init_scale`` is None.
 
     Each block of INIT_BLOCK_ROWS rows has its own seed, so a row's initial value does not
     depend on how the table is sharded.
     """
     spec, table = local.spec, local.table
-    bound = math.sqrt(1.0 / table.rows)
+    bound = init_scale if init_scale else math.sqrt(1.0 / table.rows)
     out = torch.empty(spec.rows, spec.dim)
     first, last = local.row_start, local.row_start + spec.rows
     for block in range(first // INIT_BLOCK_ROWS, (last - 1) // INIT_BLOCK_ROWS + 1):
@@ -77,6 +78,7 @@ class EmbeddingShard(nn.Module):
         optimizer: fused sparse optimizer.
         device: where the tables live (``cpu``: host memory).
         seed: initialisation seed.
+        init_scale: initial weights are uniform(+-init_scale); None: +-sqrt(1/rows).
 
     Example:
         >>> from embedding_server.features import TableSpec
@@ -92,9 +94,11 @@ class EmbeddingShard(nn.Module):
         optimizer: SparseOptimizerConfig,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        init_scale: float | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device)
+        self.init_scale = init_scale
         self.local_tables = tables
         self.optimizer_config = optimizer
         reason = fbgemm_supports(optimizer, device, [t.spec for t in tables])
@@ -136,9 +140,14 @@ class EmbeddingShard(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
+        """Seeded initial weights; optimizer state zero (Adagrad accumulators at their start value)."""
         weights = self._table_views()
         for local, w in zip(self.local_tables, weights, strict=True):
-            w.copy_(init_rows(local, seed))
+            w.copy_(init_rows(local, seed, self.init_scale))
+        start = self.optimizer_config.initial_accumulator
+        for state in self._state_views():
+            for name, tensor in state.items():
+                tensor.fill_(start if name == "momentum1" else 0.0)
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
         """Pooled embeddings of every bag: ids of F tables for B examples -> float [B, sum(D_t)]."""

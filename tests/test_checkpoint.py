@@ -75,7 +75,7 @@ def test_failed_write_leaves_previous_checkpoint_current(tmp_path, monkeypatch):
         return real_save(path, obj)
 
     monkeypatch.setattr(ckpt, "_save_file", disk_full_on_second_file)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(CheckpointError, match="cannot write checkpoint .*No space"):
         write_checkpoint(tmp_path, 2, {"a.pt": {"w": torch.ones(2)}, "b.pt": {"w": torch.ones(2)}}, {})
     assert latest_checkpoint(tmp_path) == good
     assert not list(tmp_path.glob(".step-*")) and not (tmp_path / "step-0000000002").exists()
