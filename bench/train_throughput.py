@@ -363,7 +363,7 @@ def render_markdown(r: dict) -> str:
                          f"{v['peak_rss_mb']:,.0f} | {ratio} | {rss} |")
     p, m = r["parse"], r["memcpy"]
     lines += ["", "| data path | rows/s |", "|---|---:|",
-              f"| Criteo parse, 1 thread | {p['parse_rows_per_s_1thread']:,.0f} |",
+              f"| Criteo parse, per worker thread (rows / parse seconds) | {p['parse_rows_per_s_1thread']:,.0f} |",
               f"| loader, 1 worker | {p['loader_rows_per_s_1w']:,.0f} |",
               f"| loader, 2 workers | {p['loader_rows_per_s_2w']:,.0f} |",
               f"| training from the file (ours, samples/s) | {p['train_from_file_samples_per_s']:,.0f} |",

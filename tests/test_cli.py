@@ -10,6 +10,8 @@ import pytest
 
 from .conftest import REPO
 
+pytestmark = pytest.mark.slow
+
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
 
 

@@ -10,6 +10,8 @@ from dense_trainer.train import Trainer
 
 from .conftest import tiny_config
 
+pytestmark = pytest.mark.slow
+
 
 def test_tiny_run_learns_fast(synth_medium, tmp_path):
     t0 = time.perf_counter()
