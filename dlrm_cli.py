@@ -14,13 +14,17 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from api.cli import add_serve_parser
     from dense_trainer.cli import add_data_parser, add_train_parser
+    from embedding_server.cli import add_publish_parser
 
     parser = argparse.ArgumentParser(prog="dlrm", description="Disaggregated DLRM training and serving.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_parser(sub)
     add_data_parser(sub)
+    add_publish_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -30,6 +30,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true", help="stop at the first malformed line")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--live-store", metavar="URL", help="push changed rows to this serving store while training (live.store)")
     p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override any config field, e.g. --set optim.lr=0.002 (repeatable)",
@@ -46,6 +47,7 @@ def config_from_args(args: argparse.Namespace):
         ("embedding", "hash_size"): args.hash_size,
         ("data", "strict"): True if args.strict else None,
         ("train", "progress"): False if args.no_progress else None,
+        ("live", "store"): args.live_store,
     }
     for (section, key), value in flags.items():
         if value is not None:

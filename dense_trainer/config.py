@@ -134,6 +134,17 @@ class TrainConfig(_Section):
     """Show a progress bar (samples/s, running loss)."""
 
 
+class LiveConfig(_Section):
+    """Live updates to a serving store while training runs."""
+
+    store: str | None = None
+    """Serving store URL (redis://... or file://...); None: no live updates."""
+    push_every_s: float = Field(default=1.0, gt=0)
+    """Seconds between pushes of the rows changed since the last push."""
+    dense_every_s: float = Field(default=10.0, gt=0)
+    """Seconds between pushes of the dense weights."""
+
+
 class Config(_Section):
     """A whole training run."""
 
@@ -142,6 +153,7 @@ class Config(_Section):
     model: ModelConfig = ModelConfig()
     optim: DenseOptimizerConfig = DenseOptimizerConfig()
     train: TrainConfig = TrainConfig()
+    live: LiveConfig = LiveConfig()
 
     def feature_spec(self) -> FeatureSpec:
         """The Criteo schema with this config's tables (rows, dims, pooling)."""

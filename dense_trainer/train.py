@@ -135,6 +135,7 @@ class Trainer:
         self.optimizer = build_dense_optimizer(cfg.optim, self.model.parameters())
         self.state = TrainState()
         self._stop_signal: int | None = None
+        self.live = None  # a LivePublisher while live updates run
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -271,6 +272,13 @@ class Trainer:
                 self.load_checkpoint(ckpt)
 
         s = self.state
+        if self.cfg.live.store and self.live is None:
+            from dense_trainer.live import LivePublisher
+            from embedding_server.stores import open_store
+
+            live = self.cfg.live
+            self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)
+            self.live.start()
         loader = self._loader(train_files, cfg.batch_size, cfg.epochs, start=s.position)
         loader.bad_lines.restore(s.bad_lines)
         old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -295,6 +303,8 @@ class Trainer:
                     epoch = batch.position.epoch
                     t_last = time.perf_counter()
                 loss = self.train_step(batch)
+                if self.live is not None:
+                    self.live.after_step(batch.sparse)
                 b = batch.batch_size
                 loss_sum += loss * b
                 loss_steps += 1
@@ -328,6 +338,8 @@ class Trainer:
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
             loader.close()
+            if self.live is not None:
+                self.live.close()
         summary = loader.bad_lines.summary()
         if summary:
             log.warning(summary)

@@ -136,3 +136,36 @@ def transform_dense(values: np.ndarray) -> np.ndarray:
     """``log(1 + max(x, 0))`` elementwise as float32; NaN (missing) becomes 0."""
     x = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0)
     return np.log1p(np.maximum(x, 0.0)).astype(np.float32)
+
+
+def featurize(
+    spec: FeatureSpec, dense: np.ndarray, sparse_values: list[str], lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Model inputs from raw request values (the API's JSON path).
+
+    Args:
+        dense: float64 [B, I] raw dense values, NaN where missing.
+        sparse_values: the raw categorical values of every bag, row-major (example 0's feature 0
+            bag, its feature 1 bag, ...), as hex strings ('' for missing).
+        lengths: int [B, F] values per bag.
+
+    Returns:
+        ``(dense, values, offsets, bad)``: float32 [B, I] transformed dense features; int64 row
+        ids of all bags in TBE (feature-major) order and their int64 [F*B + 1] offsets; the
+        indices into ``sparse_values`` of values that are not valid hex.
+    """
+    b, f = lengths.shape
+    raw, ok = hex_to_uint64(pa.array(sparse_values, type=pa.string()))
+    bad = np.flatnonzero(~ok)
+    table_rows = np.array([t.rows for t in spec.tables], dtype=np.uint64)
+    feature_of_value = np.repeat(np.tile(np.arange(f), b), lengths.ravel())  # row-major bags
+    rows = (raw % table_rows[feature_of_value]).astype(np.int64)
+    if (lengths == 1).all():  # one-hot: a transpose
+        values = rows.reshape(b, f).T.ravel()
+    else:  # reorder bags from row-major (b, f) to feature-major (f, b)
+        bag_rm = np.repeat(np.arange(b * f), lengths.ravel())
+        bag_fm = (bag_rm % f) * b + bag_rm // f
+        values = rows[np.argsort(bag_fm, kind="stable")]
+    offsets = np.zeros(f * b + 1, dtype=np.int64)
+    np.cumsum(lengths.T.ravel(), out=offsets[1:])
+    return transform_dense(dense), values, offsets, bad

@@ -44,6 +44,26 @@ def criteo_sample() -> Path:
     return CRITEO_SAMPLE
 
 
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One real redis-server for the session (tests use distinct key prefixes)."""
+    from .redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop(save=False)
+
+
+@pytest.fixture(scope="session")
+def trained_criteo(tmp_path_factory, criteo_sample) -> Path:
+    """A tiny model trained on the real Criteo sample: its `dlrm train --out` directory."""
+    from dense_trainer.train import Trainer
+
+    out = tmp_path_factory.mktemp("trained_criteo")
+    Trainer(tiny_config(train={"batch_size": 128}), out).fit([criteo_sample / "train.txt"], [criteo_sample / "test.txt"])
+    return out
+
+
 def tiny_config(**overrides) -> Config:
     """configs/tiny.toml with nested-dict overrides; no progress bar, 1 parse worker."""
     base = [{"train": {"progress": False}, "data": {"num_workers": 1}}]

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from dense_trainer.data.batch import Batch, Position
-from dense_trainer.data.criteo import BadLine, BadLineLog, BlockParser, ParsedBlock, read_raw_blocks
+from dense_trainer.data.criteo import BadLineLog, read_raw_blocks
+from embedding_server.criteo_format import BadLine, BlockParser, ParsedBlock
 from embedding_server.errors import DataError
 from embedding_server.features import FeatureSpec
 from embedding_server.sparse import SparseFeatures

@@ -1,0 +1,102 @@
+"""A per-process hot-row cache in front of a remote serving store.
+
+One CLOCK cache per table (the second-chance approximation of LRU that databases use: a hit
+costs a dict lookup and one bit, no list reshuffling), sized in bytes. Rows are stored in one
+numpy array per table, so a batch of hits is a single gather.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+
+class TableCache:
+    def __init__(self, capacity: int, dim: int) -> None:
+        self.capacity = capacity
+        self.slots: dict[int, int] = {}
+        self.rows = np.zeros((capacity, dim), dtype=np.float32)
+        self.owner = np.full(capacity, -1, dtype=np.int64)  # row id held by each slot
+        self.referenced = np.zeros(capacity, dtype=bool)
+        self.hand = 0
+        self.used = 0
+
+    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """-> (slot per id, -1 where missing)."""
+        get = self.slots.get
+        slots = np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=len(ids))
+        hit = slots >= 0
+        self.referenced[slots[hit]] = True
+        return slots, hit
+
+    def _victim(self) -> int:
+        if self.used < self.capacity:
+            self.used += 1
+            return self.used - 1
+        while True:  # CLOCK: skip (and clear) referenced slots
+            slot = self.hand
+            self.hand = (self.hand + 1) % self.capacity
+            if not self.referenced[slot]:
+                return slot
+            self.referenced[slot] = False
+
+    def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        for i, row in zip(ids.tolist(), rows, strict=True):
+            if i in self.slots:
+                self.rows[self.slots[i]] = row
+                continue
+            slot = self._victim()
+            old = int(self.owner[slot])
+            if old >= 0:
+                del self.slots[old]
+            self.slots[i] = slot
+            self.owner[slot] = i
+            self.rows[slot] = row
+            self.referenced[slot] = False
+
+    def invalidate(self, ids: np.ndarray) -> None:
+        for i in ids.tolist():
+            slot = self.slots.pop(i, None)
+            if slot is not None:
+                self.owner[slot] = -1
+                self.referenced[slot] = False
+
+
+class RowCache:
+    """Caches of all tables of one model version, within a byte budget.
+
+    The budget is split in proportion to table size (rows x dim), capped at each table's size,
+    so small tables end up fully cached.
+    """
+
+    def __init__(self, tables: list[tuple[str, int, int]], budget_bytes: float) -> None:
+        total = sum(rows * dim * 4 for _, rows, dim in tables) or 1
+        self.tables: dict[str, TableCache] = {}
+        for name, rows, dim in tables:
+            share = budget_bytes * (rows * dim * 4) / total
+            capacity = int(min(rows, share // (dim * 4)))
+            if capacity > 0:
+                self.tables[name] = TableCache(capacity, dim)
+        self.lock = threading.Lock()
+
+    def get(self, table: str, ids: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """Cached rows of ``ids`` (float [n, D], rows of misses undefined) and the hit mask."""
+        cache = self.tables.get(table)
+        if cache is None:
+            return None, np.zeros(len(ids), dtype=bool)
+        with self.lock:
+            slots, hit = cache.lookup(ids)
+            return cache.rows[np.maximum(slots, 0)], hit
+
+    def put(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        cache = self.tables.get(table)
+        if cache is not None and len(ids):
+            with self.lock:
+                cache.insert(ids, rows)
+
+    def invalidate(self, table: str, ids: np.ndarray) -> None:
+        cache = self.tables.get(table)
+        if cache is not None:
+            with self.lock:
+                cache.invalidate(ids)

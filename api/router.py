@@ -1,0 +1,147 @@
+"""HTTP endpoints only: parse, call the service, shape the response. Errors are mapped to HTTP
+in one place, ``api/app.py``."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.schemas import ErrorBody, ModelInfo, PredictRequest, PredictResponse
+from api.service import InputError, ModelService, NotReady
+from api.settings import Settings
+
+ERRORS = {
+    401: {"model": ErrorBody, "description": "Missing or wrong bearer API key"},
+    404: {"model": ErrorBody, "description": "Unknown model name"},
+    413: {"model": ErrorBody, "description": "Request body or batch too large"},
+    422: {"model": ErrorBody, "description": "Invalid request: the error names the field"},
+    503: {"model": ErrorBody, "description": "No model loaded, or the store is unavailable (see Retry-After)"},
+}
+
+
+class ModelNotFound(LookupError):
+    pass
+
+
+class Unauthorized(PermissionError):
+    pass
+
+
+def get_service(request: Request) -> ModelService:
+    return request.app.state.service
+
+
+def get_app_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def require_api_key(request: Request) -> None:
+    expected = request.app.state.api_key
+    if expected is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise Unauthorized("missing or wrong bearer API key")
+
+
+ServiceDep = Annotated[ModelService, Depends(get_service)]
+SettingsDep = Annotated[Settings, Depends(get_app_settings)]
+
+
+def check_name(name: str, settings: Settings) -> None:
+    if name != settings.model_name:
+        raise ModelNotFound(f"no model named {name!r} (this server serves {settings.model_name!r})")
+
+
+router = APIRouter()
+models = APIRouter(prefix="/v1/models", dependencies=[Depends(require_api_key)], responses=ERRORS)
+
+
+@models.post("/{name}:predict", response_model=PredictResponse, summary="Score instances")
+def predict(
+    name: str,
+    body: PredictRequest,
+    request: Request,
+    service: ServiceDep,
+    settings: SettingsDep,
+) -> PredictResponse:
+    t0 = time.perf_counter()
+    check_name(name, settings)
+    if len(body.instances) > settings.max_instances:
+        raise InputError("instances", f"{len(body.instances)} instances, at most {settings.max_instances} per request")
+    model = service.current()
+    dense, ids, offsets = service.featurize_instances(model, body.instances)
+    predictions = service.score(model, dense, ids, offsets)
+    service.metrics.batch_size.observe(len(predictions))
+    request.state.t0 = t0
+    return PredictResponse(predictions=predictions, model_version=model.version)
+
+
+@models.post(
+    "/{name}:predict_tsv",
+    response_model=PredictResponse,
+    summary="Score Criteo TSV lines",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+            "description": "One example per line: [label TAB] I1..I13 TAB C1..C26 (empty = missing).",
+        }
+    },
+)
+async def predict_tsv(
+    name: str,
+    request: Request,
+    service: ServiceDep,
+    settings: SettingsDep,
+) -> PredictResponse:
+    check_name(name, settings)
+    text = await request.body()
+    model = service.current()
+    dense, ids, offsets, n = service.featurize_tsv(model, text)
+    if n > settings.max_instances:
+        raise InputError("body", f"{n} lines, at most {settings.max_instances} per request")
+    predictions = service.score(model, dense, ids, offsets)
+    service.metrics.batch_size.observe(n)
+    return PredictResponse(predictions=predictions, model_version=model.version)
+
+
+@models.get("/{name}", response_model=ModelInfo, summary="The served version and its feature spec")
+def model_info(
+    name: str, service: ServiceDep, settings: SettingsDep
+) -> ModelInfo:
+    check_name(name, settings)
+    model = service.current()
+    meta = model.meta
+    return ModelInfo(
+        name=name, model_version=meta.version, published_at=meta.created_at, step=meta.step,
+        row_dtype=meta.row_dtype, dense_features=meta.spec.dense, sparse_features=meta.spec.sparse,
+        tables=[t.model_dump() for t in meta.spec.tables], model=meta.model,
+    )
+
+
+@router.get("/healthz", summary="Liveness: the process answers")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", summary="Readiness: a model is loaded", responses={503: ERRORS[503]})
+def readyz(service: ServiceDep) -> dict:
+    model = service.model
+    if model is None:
+        raise NotReady("no model loaded yet")
+    return {"status": "ready", "model_version": model.version}
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+def metrics(service: ServiceDep) -> Response:
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+router.include_router(models)

@@ -1,0 +1,93 @@
+"""``dlrm publish``: a checkpoint becomes one complete serving version in a store.
+
+Tables are streamed in chunks of rows from the memory-mapped checkpoint, so memory stays bounded
+whatever their size. While streaming, each table's *default embedding* (what serving returns for
+a row missing from the store) is computed as the mean of its trained rows: rows whose weights
+differ from their (re-generated, seeded) initial values.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedding_server.checkpoint import latest_checkpoint, load_file, read_manifest
+from embedding_server.errors import CheckpointError
+from embedding_server.features import FeatureSpec
+from embedding_server.shard import LocalTable, init_rows
+from embedding_server.stores.base import ServingStore
+from embedding_server.wire import ModelVersion, RowDtype
+
+log = logging.getLogger(__name__)
+
+CHUNK_ROWS = 65536
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, a checkpoints root (its latest) or a training --out directory."""
+    path = Path(path)
+    if (path / "manifest.json").exists():
+        return path
+    for root in (path, path / "checkpoints"):
+        if (root / "latest").exists():
+            found = latest_checkpoint(root)
+            if found is not None:
+                return found
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    raise CheckpointError(f"{path}: no checkpoint there (no manifest.json or latest pointer)")
+
+
+def publish_checkpoint(
+    checkpoint: Path,
+    store: ServingStore,
+    version: str | None = None,
+    row_dtype: RowDtype = "fp32",
+    chunk_rows: int = CHUNK_ROWS,
+) -> ModelVersion:
+    """Write the checkpoint's tables, dense weights and feature spec as one version; make it current."""
+    path = resolve_checkpoint(checkpoint)
+    manifest = read_manifest(path)
+    meta = manifest["meta"]
+    spec = FeatureSpec.model_validate(meta["feature_spec"])
+    cfg = meta.get("config", {})
+    seed = cfg.get("train", {}).get("seed", 0)
+    init_scale = cfg.get("embedding", {}).get("init_scale") or None
+    step = int(manifest["step"])
+    name = version or f"step{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    tables = load_file(path, "embeddings.pt", mmap=True)
+    dense = load_file(path, "dense.pt")
+    out = ModelVersion(
+        version=name, step=step, spec=spec, model=meta["model"], embedding_dim=meta["embedding_dim"],
+        row_dtype=row_dtype, source=str(path),
+    )
+    t0 = time.perf_counter()
+    with store.begin(out) as writer:
+        defaults: dict[str, list[float]] = {}
+        for index, table in enumerate(spec.tables):
+            weight = tables.get(f"{table.name}.weight")
+            if weight is None or tuple(weight.shape) != (table.rows, table.dim):
+                raise CheckpointError(f"{path}: table {table.name} missing or misshapen in embeddings.pt")
+            total = np.zeros(table.dim, dtype=np.float64)
+            trained = 0
+            for start in range(0, table.rows, chunk_rows):
+                stop = min(start + chunk_rows, table.rows)
+                rows = weight[start:stop].float()  # [n, D], read from the mapped file
+                initial = init_rows(
+                    LocalTable(table, index, row_start=start, rows=stop - start), seed, init_scale
+                )
+                moved = (rows != initial).any(dim=1)
+                trained += int(moved.sum())
+                total += rows[moved].double().sum(dim=0).numpy()
+                writer.write_rows(table.name, start, rows.numpy())
+            defaults[table.name] = (total / trained if trained else total).astype(np.float32).tolist()
+            log.debug("published %s: %d rows (%d trained)", table.name, table.rows, trained)
+        writer.meta = out.model_copy(update={"default_rows": defaults})
+        writer.write_dense({k: v for k, v in dense.items() if isinstance(v, torch.Tensor)})
+        writer.commit()
+    log.info("version %s is current in %s (%.1fs)", name, getattr(store, "url", store), time.perf_counter() - t0)
+    return writer.meta

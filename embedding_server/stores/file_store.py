@@ -1,0 +1,168 @@
+"""``file://DIR``: the embedded serving store. No server needed.
+
+    DIR/CURRENT                          name of the current version (replaced atomically)
+    DIR/versions/<v>/meta.json           ModelVersion
+    DIR/versions/<v>/dense.pt            dense weights (loaded with weights_only)
+    DIR/versions/<v>/tables/<name>.npy   rows, float32 or float16 [rows, D], memory-mapped
+
+A version is written under ``DIR/versions/.tmp-*`` and renamed into place when complete, and only
+then does CURRENT move: readers never see a partial version, and a crash mid-publish leaves the
+previous version serving. Readers memory-map the tables (the OS page cache is the row cache), so
+live row updates written into the same mapping are visible at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedding_server.checkpoint import atomic_write_bytes, fsync_dir
+from embedding_server.errors import ConfigError
+from embedding_server.stores.base import ServingStore, UpdateBatch, VersionNotFound, VersionWriter
+from embedding_server.wire import NUMPY_DTYPE, ModelVersion, decode_state, encode_rows, encode_state
+
+VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def check_version_name(version: str) -> str:
+    if not VERSION_RE.match(version):
+        raise ConfigError(f"version {version!r}: use 1-100 letters, digits, '.', '_' or '-'")
+    return version
+
+
+class FileVersionWriter(VersionWriter):
+    def __init__(self, store: FileStore, meta: ModelVersion) -> None:
+        self.store = store
+        self.meta = meta
+        store.versions_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(dir=store.versions_dir, prefix=f".tmp-{meta.version}-"))
+        (self.tmp / "tables").mkdir()
+        self._arrays: dict[str, np.memmap] = {}
+        self._dims = {t.name: (t.rows, t.dim) for t in meta.spec.tables}
+
+    def _array(self, table: str) -> np.memmap:
+        if table not in self._arrays:
+            rows, dim = self._dims[table]
+            self._arrays[table] = np.lib.format.open_memmap(
+                self.tmp / "tables" / f"{table}.npy", mode="w+", dtype=NUMPY_DTYPE[self.meta.row_dtype],
+                shape=(rows, dim),
+            )
+        return self._arrays[table]
+
+    def write_rows(self, table: str, start: int, rows: np.ndarray) -> None:
+        arr = self._array(table)
+        arr[start : start + len(rows)] = encode_rows(rows, self.meta.row_dtype)
+
+    def write_dense(self, state: dict[str, torch.Tensor]) -> None:
+        (self.tmp / "dense.pt").write_bytes(encode_state(state))
+
+    def commit(self) -> None:
+        for name in self._dims:  # tables never written are all zeros
+            self._array(name)
+        for arr in self._arrays.values():
+            arr.flush()
+        self._arrays.clear()
+        (self.tmp / "meta.json").write_text(self.meta.model_dump_json(indent=1))
+        for path in self.tmp.rglob("*"):
+            if path.is_file():
+                with open(path, "rb+") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(self.tmp / "tables")
+        fsync_dir(self.tmp)
+        final = self.store.versions_dir / self.meta.version
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(self.tmp, final)
+        fsync_dir(self.store.versions_dir)
+        atomic_write_bytes(self.store.root / "CURRENT", self.meta.version.encode())
+        self.store.collect_garbage(self.meta.version)
+
+    def abort(self) -> None:
+        self._arrays.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class FileStore(ServingStore):
+    remote = False
+
+    def __init__(self, path: str | Path, keep_versions: int = 3) -> None:
+        super().__init__(keep_versions)
+        self.root = Path(path)
+        self.url = f"file://{self.root}"
+        self.versions_dir = self.root / "versions"
+        self._maps: dict[tuple[str, str], np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def _vdir(self, version: str) -> Path:
+        path = self.versions_dir / check_version_name(version)
+        if not (path / "meta.json").exists():
+            raise VersionNotFound(f"{self.url} has no version {version!r}")
+        return path
+
+    def current_version(self) -> str | None:
+        try:
+            return (self.root / "CURRENT").read_text().strip() or None
+        except FileNotFoundError:
+            return None
+
+    def read_meta(self, version: str) -> ModelVersion:
+        return ModelVersion.model_validate_json((self._vdir(version) / "meta.json").read_text())
+
+    def list_versions(self) -> list[str]:
+        if not self.versions_dir.exists():
+            return []
+        done = [p for p in self.versions_dir.iterdir() if (p / "meta.json").exists() and not p.name.startswith(".")]
+        return [p.name for p in sorted(done, key=lambda p: (p / "meta.json").stat().st_mtime)]
+
+    def delete_version(self, version: str) -> None:
+        with self._lock:
+            for key in [k for k in self._maps if k[0] == version]:
+                del self._maps[key]
+        shutil.rmtree(self.versions_dir / check_version_name(version), ignore_errors=True)
+
+    def read_dense(self, version: str) -> dict[str, torch.Tensor]:
+        return decode_state((self._vdir(version) / "dense.pt").read_bytes())
+
+    def _map(self, version: str, table: str, writable: bool = False) -> np.ndarray:
+        if writable:
+            return np.load(self._vdir(version) / "tables" / f"{table}.npy", mmap_mode="r+")
+        key = (version, table)
+        arr = self._maps.get(key)
+        if arr is None:
+            with self._lock:
+                arr = self._maps.get(key)
+                if arr is None:
+                    arr = np.load(self._vdir(version) / "tables" / f"{table}.npy", mmap_mode="r")
+                    self._maps[key] = arr
+        return arr
+
+    def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        arr = self._map(version, table)
+        return np.asarray(arr[ids], dtype=np.float32), np.ones(len(ids), dtype=bool)
+
+    def begin(self, meta: ModelVersion) -> VersionWriter:
+        check_version_name(meta.version)
+        return FileVersionWriter(self, meta)
+
+    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        meta = self.read_meta(version)
+        for table, (ids, rows) in updates.items():
+            arr = self._map(version, table, writable=True)
+            arr[ids] = encode_rows(rows, meta.row_dtype)
+            arr.flush()
+
+    def update_dense(self, version: str, state: dict[str, torch.Tensor]) -> None:
+        atomic_write_bytes(self._vdir(version) / "dense.pt", encode_state(state))
+
+    def poll_updates(self, version: str, cursor: str | None) -> UpdateBatch:
+        # Rows need no invalidation (readers map the very pages the writer updates); the dense
+        # weights changed when dense.pt did.
+        stamp = str((self._vdir(version) / "dense.pt").stat().st_mtime_ns)
+        return UpdateBatch(cursor=stamp, dense_changed=cursor is not None and cursor != stamp)
