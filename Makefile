@@ -58,6 +58,7 @@ $(BENCH_VENV)/.stamp: pyproject.toml bench/requirements-torchrec.txt
 bench: setup bench-env
 	$(BENCH_VENV)/bin/python bench/train_throughput.py
 	$(BIN)/python bench/quality.py
+	$(BIN)/python bench/serving.py
 
 clean:
 	rm -rf build .pytest_cache

@@ -81,8 +81,49 @@ class _TooLarge(Exception):
     pass
 
 
-def create_app(settings: Settings | None = None, store: ServingStore | None = None) -> FastAPI:
-    """Build the app; ``store`` (else opened from ``settings.store``) is injectable for tests."""
+class Observe:
+    """Request latency by route and status into the Prometheus histogram (pure ASGI: no
+    per-request task or body copy, unlike ``@app.middleware``)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        status = 500
+
+        async def capture(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            app = scope.get("app")
+            service = getattr(app.state, "service", None) if app is not None else None
+            if service is not None:
+                route = scope.get("route")
+                service.metrics.latency.labels(endpoint=getattr(route, "path", "unmatched"), status=str(status)).observe(
+                    time.perf_counter() - t0
+                )
+
+
+def create_app(
+    settings: Settings | None = None,
+    store: ServingStore | None = None,
+    service_factory: type[ModelService] = ModelService,
+) -> FastAPI:
+    """Build the app.
+
+    Args:
+        settings: default from the environment (``DLRM_*``).
+        store: an open store (tests inject one); default opened from ``settings.store``.
+        service_factory: the serving logic (benchmarks inject a baseline).
+    """
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -90,7 +131,7 @@ def create_app(settings: Settings | None = None, store: ServingStore | None = No
         torch.set_num_threads(settings.threads)
         own_store = store is None
         the_store = open_store(settings.store, timeout_s=settings.store_timeout_s) if own_store else store
-        service = ModelService(the_store, settings, ServingMetrics())
+        service = service_factory(the_store, settings, ServingMetrics())
         app.state.service = service
         try:
             service.refresh()
@@ -113,19 +154,6 @@ def create_app(settings: Settings | None = None, store: ServingStore | None = No
     app.state.settings = settings
     app.state.api_key = settings.resolved_api_key()
     app.include_router(router)
-
-    @app.middleware("http")
-    async def observe(request: Request, call_next):
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        service = getattr(request.app.state, "service", None)
-        if service is not None:
-            route = request.scope.get("route")
-            endpoint = getattr(route, "path", "unmatched")
-            service.metrics.latency.labels(endpoint=endpoint, status=str(response.status_code)).observe(
-                time.perf_counter() - t0
-            )
-        return response
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
@@ -172,4 +200,5 @@ def create_app(settings: Settings | None = None, store: ServingStore | None = No
         return _error(503, str(exc), headers={"Retry-After": str(settings.retry_after_s)})
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(Observe)
     return app

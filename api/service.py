@@ -21,6 +21,7 @@ import torch.nn.functional as nnf
 
 from api.cache import RowCache
 from api.metrics import ServingMetrics
+from api.schemas import PositionalInstance
 from api.settings import Settings
 from dense_trainer.config import ModelConfig
 from dense_trainer.model import build_dense_model
@@ -54,6 +55,15 @@ def build_dense(meta: ModelVersion, state: dict[str, torch.Tensor]) -> torch.nn.
     for p in module.parameters():
         p.requires_grad_(False)
     return module
+
+
+@torch.inference_mode()
+def warm_up(dense: torch.nn.Module, meta: ModelVersion) -> None:
+    """Run the network once at a few batch sizes before it takes traffic: the first calls of
+    each kernel are slow, and would otherwise land on the first requests."""
+    width = sum(t.dim for t in meta.spec.tables)
+    for batch in (1, 8, 256):
+        dense(torch.zeros(batch, len(meta.spec.dense)), torch.zeros(batch, width))
 
 
 class ServingModel:
@@ -116,7 +126,11 @@ class ModelService:
         meta = self.store.read_meta(version)
         cursor = self.store.poll_updates(version, None).cursor  # updates after this are applied later
         dense = build_dense(meta, self.store.read_dense(version))
+        warm_up(dense, meta)
         model = ServingModel(meta, dense, self.settings.cache_mb * 2**20, self.store.remote)
+        # One request through the whole path (featurising, lookups, network) before real ones.
+        empty = PositionalInstance(dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.tables))
+        self.score(model, *self.featurize_instances(model, [empty]))
         old = self.model
         self.model, self._cursor = model, cursor  # the swap: one reference
         if old is not None:
