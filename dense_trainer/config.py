@@ -132,6 +132,29 @@ class TrainConfig(_Section):
     """Intra-op threads of the dense network (0: PyTorch's default, one per core)."""
     progress: bool = True
     """Show a progress bar (samples/s, running loss)."""
+    log_step_losses: bool = False
+    """Record every step's loss in metrics.json (``step_losses``), for comparing runs."""
+
+
+class DistConfig(_Section):
+    """Embedding servers and trainers in one torch.distributed world."""
+
+    embedding_servers: int = Field(default=0, ge=0)
+    """Embedding-server ranks (0: tables in the trainer process)."""
+    trainers: int = Field(default=1, ge=1)
+    """Trainer ranks (data parallel; DDP over the dense network)."""
+    sharding: Literal["auto", "table_wise", "row_wise", "column_wise"] = "auto"
+    """Placement of tables on servers (auto: whole tables, balanced; row-wise when too large)."""
+    server_memory: str | None = None
+    """Memory each embedding server may use for tables and optimizer state, e.g. "8GB"."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """A lost rank ends the job within this many seconds, naming it (never a hang)."""
+    exchange_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """Type of pooled embeddings and gradients on the wire (fp16/bf16 halve the bytes)."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous address (local launch; torchrun sets MASTER_ADDR itself)."""
+    master_port: int = Field(default=0, ge=0, le=65535)
+    """Rendezvous port (0: a free port, local launch only)."""
 
 
 class LiveConfig(_Section):
@@ -154,6 +177,7 @@ class Config(_Section):
     optim: DenseOptimizerConfig = DenseOptimizerConfig()
     train: TrainConfig = TrainConfig()
     live: LiveConfig = LiveConfig()
+    dist: DistConfig = DistConfig()
 
     def feature_spec(self) -> FeatureSpec:
         """The Criteo schema with this config's tables (rows, dims, pooling)."""

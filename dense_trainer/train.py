@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as nnf
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dense_trainer.config import Config, DenseOptimizerConfig
@@ -38,19 +40,19 @@ from dense_trainer.metrics import log_loss_from_logits, roc_auc
 from dense_trainer.model import SparseArch, build_dense_model
 from dense_trainer.plots import plot_curves
 from embedding_server.checkpoint import (
+    finalize_checkpoint,
     latest_checkpoint,
     load_file,
+    partial_dir,
     read_manifest,
-    write_checkpoint,
+    save_file,
 )
 from embedding_server.client import EmbeddingClient, InProcessEmbeddingClient
+from embedding_server.cluster import Cluster
 from embedding_server.errors import CheckpointError, ConfigError, DataError
 from embedding_server.features import FeatureSpec
 
 log = logging.getLogger(__name__)
-
-CHECKPOINT_FILES = ("embeddings.pt", "dense.pt", "optimizer.pt", "trainer.pt")
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -111,9 +113,16 @@ class Trainer:
         client: where the tables live; default: in this process, built from ``cfg``.
     """
 
-    def __init__(self, cfg: Config, out_dir: Path, client: EmbeddingClient | None = None) -> None:
+    def __init__(
+        self, cfg: Config, out_dir: Path, client: EmbeddingClient | None = None, cluster: Cluster | None = None
+    ) -> None:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
+        # Data parallelism: trainer `rank` of `trainers` takes its share of every global batch.
+        self.cluster = cluster
+        self.rank = cluster.rank if cluster else 0
+        self.trainers = cluster.roles.num_trainers if cluster else 1
+        self.is_master = self.rank == 0
         self.device = resolve_device(cfg.train.device)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -131,30 +140,57 @@ class Trainer:
         dims = [t.dim for t in self.spec.tables]
         self.model = build_dense_model(cfg.model, len(self.spec.dense), dims, cfg.embedding.dim)
         self.model.to(self.device)
+        self.net = self.model  # what forward runs: the model, or DDP around it
+        if self.trainers > 1:
+            self.net = DistributedDataParallel(self.model, process_group=cluster.trainer_group)
         # 4. dense optimizer
         self.optimizer = build_dense_optimizer(cfg.optim, self.model.parameters())
         self.state = TrainState()
         self._stop_signal: int | None = None
         self.live = None  # a LivePublisher while live updates run
+        self.timings = {"embedding_forward_s": 0.0, "dense_forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+        self.step_losses: list[float] = []
 
     # -- one step -------------------------------------------------------------------------------
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits float [B] of a batch."""
+        t0 = time.perf_counter()
         embedded = self.sparse_arch(batch.sparse)  # [B, sum(D_t)]
+        t1 = time.perf_counter()
         dense = batch.dense.to(self.device, non_blocking=True)  # [B, I]
-        return self.model(dense, embedded.to(self.device, non_blocking=True))
+        logits = self.net(dense, embedded.to(self.device, non_blocking=True))
+        self.timings["embedding_forward_s"] += t1 - t0
+        self.timings["dense_forward_s"] += time.perf_counter() - t1
+        return logits
 
-    def train_step(self, batch: Batch) -> torch.Tensor:
-        """One optimizer step on a batch; returns the (detached) mean loss."""
+    def train_step(self, batch: Batch, global_batch: int | None = None) -> torch.Tensor:
+        """One optimizer step; returns the (detached) mean loss over the global batch.
+
+        With several trainers, ``batch`` is this trainer's share of a global batch of
+        ``global_batch`` examples. The loss is scaled so that DDP's averaging of dense gradients
+        and the servers' summing of embedding gradients both give the gradient of the global
+        mean loss, exactly as one process would compute it.
+        """
         self.model.train()
         logits = self.forward(batch)
         labels = batch.labels.to(self.device, non_blocking=True)
-        loss = nnf.binary_cross_entropy_with_logits(logits, labels)
+        if self.trainers == 1:
+            loss = nnf.binary_cross_entropy_with_logits(logits, labels)
+            report = loss.detach()
+        else:
+            total = nnf.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+            loss = total * (self.trainers / global_batch)
+            report = total.detach() / global_batch
+            dist.all_reduce(report, group=self.cluster.trainer_group)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # also applies the fused sparse update to the embedding rows
+        t0 = time.perf_counter()
+        loss.backward()  # also sends the embedding gradients to the fused sparse optimizer
+        t1 = time.perf_counter()
         self.optimizer.step()
-        return loss.detach()
+        self.timings["backward_s"] += t1 - t0
+        self.timings["optimizer_s"] += time.perf_counter() - t1
+        return report
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
@@ -166,8 +202,15 @@ class Trainer:
         loader = self._loader(files, self.cfg.train.eval_batch_size, epochs=1, max_rows=max_rows)
         logits, labels = [], []
         for batch in loader:
+            if self.trainers > 1:
+                batch = batch.share(self.rank, self.trainers)
             logits.append(self.predict(batch).float().cpu().numpy())
             labels.append(batch.labels.numpy())
+        if self.trainers > 1:  # every trainer scored its share: the master sees them all
+            parts: list = [None] * self.trainers
+            dist.all_gather_object(parts, (logits, labels), group=self.cluster.trainer_group)
+            logits = [z for part in parts for z in part[0]]
+            labels = [y for part in parts for y in part[1]]
         if not logits:
             raise DataError(f"no valid rows in the test data ({', '.join(map(str, files))})")
         z, y = np.concatenate(logits), np.concatenate(labels)
@@ -210,14 +253,16 @@ class Trainer:
             "parse_seconds": s.parse_seconds,
             "torch_rng": torch.get_rng_state(),
         }
-        files = {
-            "embeddings.pt": self.client.export_state(),
-            "dense.pt": self.model.state_dict(),
-            "optimizer.pt": self.optimizer.state_dict(),
-            "trainer.pt": trainer_state,
-        }
-        meta = {**self._compat_meta(), "config": self.cfg.model_dump(mode="json"), "kernel": self.client.kernel}
-        path = write_checkpoint(self.checkpoint_dir, s.step, files, meta, keep=self.cfg.train.keep_checkpoints)
+        directory = partial_dir(self.checkpoint_dir, s.step)
+        self.client.save(directory, s.step)  # the tables: here, or on every embedding server
+        if not self.is_master:
+            return self.checkpoint_dir / f"step-{s.step:010d}"
+        save_file(directory, "dense.pt", self.model.state_dict())
+        save_file(directory, "optimizer.pt", self.optimizer.state_dict())
+        save_file(directory, "trainer.pt", trainer_state)
+        meta = {**self._compat_meta(), "config": self.cfg.model_dump(mode="json"), "kernel": self.client.kernel,
+                "plan": getattr(getattr(self.client, "plan", None), "model_dump", lambda: None)()}
+        path = finalize_checkpoint(self.checkpoint_dir, s.step, meta, keep=self.cfg.train.keep_checkpoints)
         log.info("checkpoint written: %s", path)
         return path
 
@@ -230,7 +275,7 @@ class Trainer:
                     f"checkpoint {path} does not match this model: {key} differs "
                     f"(checkpoint {json.dumps(saved.get(key))[:200]}, now {json.dumps(value)[:200]})"
                 )
-        self.client.import_state(load_file(path, "embeddings.pt", mmap=True))
+        self.client.restore(path)
         self.model.load_state_dict(load_file(path, "dense.pt"))
         self.optimizer.load_state_dict(load_file(path, "optimizer.pt"))
         t = load_file(path, "trainer.pt")
@@ -272,6 +317,8 @@ class Trainer:
                 self.load_checkpoint(ckpt)
 
         s = self.state
+        if self.cfg.live.store and self.cluster is not None:
+            raise ConfigError("live updates (live.store) run with in-process tables only, not with embedding servers yet")
         if self.cfg.live.store and self.live is None:
             from dense_trainer.live import LivePublisher
             from embedding_server.stores import open_store
@@ -283,7 +330,7 @@ class Trainer:
         loader.bad_lines.restore(s.bad_lines)
         old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         bar = tqdm(
-            desc="train", unit="samples", unit_scale=True, disable=not cfg.progress,
+            desc="train", unit="samples", unit_scale=True, disable=not (cfg.progress and self.is_master),
             dynamic_ncols=True, mininterval=0.5, file=sys.stderr, initial=s.samples_seen,
         )
         loss_sum = torch.zeros((), device=self.device)
@@ -302,10 +349,13 @@ class Trainer:
                     self._evaluate_into_history(test_files, final=False)
                     epoch = batch.position.epoch
                     t_last = time.perf_counter()
-                loss = self.train_step(batch)
+                b = batch.batch_size
+                local = batch if self.trainers == 1 else batch.share(self.rank, self.trainers)
+                loss = self.train_step(local, global_batch=b)
+                if cfg.log_step_losses:
+                    self.step_losses.append(float(loss))
                 if self.live is not None:
                     self.live.after_step(batch.sparse)
-                b = batch.batch_size
                 loss_sum += loss * b
                 loss_steps += 1
                 loss_samples += b
@@ -352,8 +402,18 @@ class Trainer:
         if s.samples_seen == 0:
             raise DataError(f"no valid rows in the training data ({', '.join(map(str, train_files))})")
         final = self._evaluate_into_history(test_files, final=True)
-        metrics = self._write_metrics(final, train_files, test_files, finished)
-        return metrics
+        cluster_stats = self._stop_cluster()
+        return self._write_metrics(final, train_files, test_files, finished, cluster_stats)
+
+    def _stop_cluster(self) -> dict | None:
+        """Stop the embedding servers and collect every rank's timings and traffic at the master."""
+        if self.cluster is None:
+            return None
+        self.client.close()
+        mine = {"rank": self.rank, "timings": dict(self.timings), "client": dict(getattr(self.client, "stats", {}))}
+        gathered: list | None = [None] * self.cluster.roles.world_size if self.is_master else None
+        dist.gather_object(mine, gathered, dst=0)
+        return {"ranks": gathered} if self.is_master else None
 
     def _checkpoint_with(self, loader: CriteoLoader) -> None:
         """Fold the loader's counters into the state, then checkpoint."""
@@ -377,7 +437,7 @@ class Trainer:
         self.state.history.append({"samples": self.state.samples_seen, **result, "final": final})
         return result
 
-    def _write_metrics(self, final: dict, train_files, test_files, finished: bool) -> dict[str, Any]:
+    def _write_metrics(self, final: dict, train_files, test_files, finished: bool, cluster_stats=None) -> dict[str, Any]:
         s = self.state
         bayes = _bayes_beside(test_files)
         metrics: dict[str, Any] = {
@@ -402,11 +462,49 @@ class Trainer:
             "test_files": [str(f) for f in test_files],
             "history": s.history,
             "config": self.cfg.model_dump(mode="json"),
+            "trainers": self.trainers,
+            "embedding_servers": self.cluster.roles.num_servers if self.cluster else 0,
+            "step_time_breakdown_ms": {k.removesuffix("_s"): 1e3 * v / max(s.step, 1) for k, v in self.timings.items()},
         }
+        if cfg_losses := self.step_losses:
+            metrics["step_losses"] = cfg_losses
+        if cluster_stats is not None:
+            metrics.update(_cluster_metrics(cluster_stats, self.spec, s, self.trainers))
+        if not self.is_master:
+            return metrics
         (self.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         title = f"{self.cfg.model.kind}/{self.cfg.model.interaction}: test AUC {final['test_auc']:.4f}"
         plot_curves(s.history, self.out_dir / "curves.png", title, metrics["bayes_auc"])
         return metrics
+
+
+def _cluster_metrics(stats: dict, spec: FeatureSpec, state: TrainState, trainers: int) -> dict[str, Any]:
+    """All-to-all traffic per sample against the analytical minimum, and the step's breakdown."""
+    ranks = stats["ranks"]
+    trainer_stats = [r for r in ranks if "client" in r and r["client"]]
+    servers = [r for r in ranks if "server" in r]
+    samples = max(state.samples_seen, 1)
+    out_bytes = sum(r["client"]["bytes_out"] for r in trainer_stats)
+    in_bytes = sum(r["client"]["bytes_in"] for r in trainer_stats)
+    width = sum(t.dim for t in spec.tables)
+    minimum = {"ids": 8 * len(spec.tables), "pooled": 4 * width, "gradients": 4 * width}
+    steps = max(state.step, 1)
+    comm_ms = 1e3 * sum(r["client"]["comm_s"] for r in trainer_stats) / len(trainer_stats) / steps
+    return {
+        "alltoall_bytes_per_sample": {
+            "trainers_to_servers": out_bytes / samples,
+            "servers_to_trainers": in_bytes / samples,
+            "analytical_minimum": minimum,
+            "note": "trainers_to_servers counts ids, bag lengths, headers and gradients (training "
+                    "and evaluation lookups); the minimum is one int64 id per feature and the "
+                    "fp32 pooled vectors and their gradients",
+        },
+        "server_time_ms_per_step": {
+            "lookup": 1e3 * max(r["lookup_s"] for r in servers) / steps if servers else 0.0,
+            "update": 1e3 * max(r["update_s"] for r in servers) / steps if servers else 0.0,
+        },
+        "communication_ms_per_step": comm_ms,
+    }
 
 
 def _bayes_beside(test_files: list[Path]) -> dict | None:

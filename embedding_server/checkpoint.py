@@ -1,9 +1,11 @@
 """Checkpoint files: atomic, checksummed, and loaded without executing pickled code.
 
 A checkpoint is a directory ``step-<N>/`` of tensor files plus ``manifest.json`` (each file's
-BLAKE2b digest and size, the step, free-form metadata). It is written under a temporary name,
-every file fsynced, then renamed into place, and the ``latest`` pointer beside it is replaced
-atomically last: a crash at any point leaves the previous checkpoint intact and current.
+BLAKE2b digest and size, the step, free-form metadata). Its files are written (by one process,
+or by every embedding server and the master trainer) into ``.step-<N>.partial/``, every file
+fsynced; then the manifest is written, the directory renamed into place, and the ``latest``
+pointer beside it replaced atomically last: a crash at any point leaves the previous checkpoint
+intact and current.
 Loading verifies every digest, then deserialises with ``torch.load(weights_only=True)``.
 """
 
@@ -67,6 +69,57 @@ def _save_file(path: Path, obj: Any) -> dict[str, Any]:
     return {"blake2b": file_digest(path), "bytes": path.stat().st_size}
 
 
+def partial_dir(root: Path, step: int) -> Path:
+    """Where the files of checkpoint ``step`` are written before it is complete. Several
+    processes (embedding servers, the master trainer) write into it; the name is deterministic so
+    that each finds it without being told."""
+    path = Path(root) / f".step-{step:010d}.partial"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save_file(directory: Path, name: str, obj: Any) -> dict[str, Any]:
+    """Save one file of a checkpoint (fsynced); returns its manifest entry."""
+    try:
+        return _save_file(Path(directory) / name, obj)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot write checkpoint file {Path(directory) / name}: {exc}") from exc
+
+
+def finalize_checkpoint(root: Path, step: int, meta: dict[str, Any], keep: int = 2) -> Path:
+    """Make the partial checkpoint ``step`` complete and current.
+
+    Every file already in the partial directory is digested into ``manifest.json``; then the
+    directory is renamed to ``step-<N>`` and ``latest`` replaced, atomically, in that order.
+    """
+    root = Path(root)
+    tmp = root / f".step-{step:010d}.partial"
+    final = root / f"step-{step:010d}"
+    try:
+        files = {
+            p.name: {"blake2b": file_digest(p), "bytes": p.stat().st_size}
+            for p in sorted(tmp.iterdir())
+            if p.is_file() and p.name != MANIFEST
+        }
+        manifest = {"format": 2, "step": step, "created": time.time(), "files": files, "meta": meta}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        with open(tmp / MANIFEST, "rb+") as f:
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(root)
+    except (OSError, RuntimeError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
+    atomic_write_bytes(root / LATEST, final.name.encode())
+    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
 def write_checkpoint(
     root: Path, step: int, files: dict[str, Any], meta: dict[str, Any], keep: int = 2
 ) -> Path:
@@ -85,35 +138,14 @@ def write_checkpoint(
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:010d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.tmp-"))
+    tmp = partial_dir(root, step)
     try:
-        manifest = {
-            "format": 1,
-            "step": step,
-            "created": time.time(),
-            "files": {name: _save_file(tmp / name, obj) for name, obj in files.items()},
-            "meta": meta,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        with open(tmp / MANIFEST, "rb+") as f:
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-    except (OSError, RuntimeError) as exc:  # disk full, permissions; torch wraps some as RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
+        for name, obj in files.items():
+            save_file(tmp, name, obj)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    atomic_write_bytes(root / LATEST, final.name.encode())
-    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+    return finalize_checkpoint(root, step, meta, keep)
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -11,13 +11,16 @@ whoever holds the tables, which applies the fused optimizer. Backends:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 import torch
 
+from embedding_server.checkpoint import save_file
 from embedding_server.features import TableSpec
 from embedding_server.optimizers import SparseOptimizerConfig
 from embedding_server.shard import EmbeddingShard, LocalTable
 from embedding_server.sparse import SparseFeatures
+from embedding_server.table_checkpoint import CheckpointTables, shard_payload
 
 
 class EmbeddingClient(ABC):
@@ -39,6 +42,14 @@ class EmbeddingClient(ABC):
     @abstractmethod
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`export_state` returned."""
+
+    @abstractmethod
+    def save(self, directory: Path, step: int) -> None:
+        """Write the tables and their optimizer state into a (partial) checkpoint directory."""
+
+    @abstractmethod
+    def restore(self, checkpoint: Path) -> None:
+        """Load the tables from a checkpoint written with any sharding."""
 
     @property
     def kernel(self) -> str:
@@ -74,6 +85,12 @@ class InProcessEmbeddingClient(EmbeddingClient):
 
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
         self.shard.import_state(state)
+
+    def save(self, directory: Path, step: int) -> None:
+        save_file(directory, "embeddings.pt", shard_payload(self.shard))
+
+    def restore(self, checkpoint: Path) -> None:
+        CheckpointTables(checkpoint).load_into(self.shard)
 
     @property
     def kernel(self) -> str:

@@ -20,6 +20,7 @@ from embedding_server.errors import CheckpointError
 from embedding_server.features import FeatureSpec
 from embedding_server.shard import LocalTable, init_rows
 from embedding_server.stores.base import ServingStore
+from embedding_server.table_checkpoint import CheckpointTables
 from embedding_server.wire import ModelVersion, RowDtype
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def publish_checkpoint(
     init_scale = cfg.get("embedding", {}).get("init_scale") or None
     step = int(manifest["step"])
     name = version or f"step{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-    tables = load_file(path, "embeddings.pt", mmap=True)
+    tables = CheckpointTables(path)  # whatever sharding wrote it
     dense = load_file(path, "dense.pt")
     out = ModelVersion(
         version=name, step=step, spec=spec, model=meta["model"], embedding_dim=meta["embedding_dim"],
@@ -69,14 +70,11 @@ def publish_checkpoint(
     with store.begin(out) as writer:
         defaults: dict[str, list[float]] = {}
         for index, table in enumerate(spec.tables):
-            weight = tables.get(f"{table.name}.weight")
-            if weight is None or tuple(weight.shape) != (table.rows, table.dim):
-                raise CheckpointError(f"{path}: table {table.name} missing or misshapen in embeddings.pt")
             total = np.zeros(table.dim, dtype=np.float64)
             trained = 0
             for start in range(0, table.rows, chunk_rows):
                 stop = min(start + chunk_rows, table.rows)
-                rows = weight[start:stop].float()  # [n, D], read from the mapped file
+                rows = tables.read(table.name, "weight", start, stop - start, 0, table.dim)  # [n, D]
                 initial = init_rows(
                     LocalTable(table, index, row_start=start, rows=stop - start), seed, init_scale
                 )

@@ -40,12 +40,19 @@ class LocalTable:
     col_start: int = 0
     rows: int | None = None
     dim: int | None = None
+    pooling: str | None = None
+    """Pooling of the piece, when it differs from the table's (row-wise pieces of a mean-pooled
+    table pool with sum; the trainer divides by the whole bag's length)."""
 
     @property
     def spec(self) -> TableSpec:
         """The local piece as a table of its own."""
         return self.table.model_copy(
-            update={"rows": self.rows or self.table.rows, "dim": self.dim or self.table.dim}
+            update={
+                "rows": self.rows or self.table.rows,
+                "dim": self.dim or self.table.dim,
+                "pooling": self.pooling or self.table.pooling,
+            }
         )
 
 
@@ -111,9 +118,9 @@ class EmbeddingShard(nn.Module):
         kernel_cls = TBEKernel if reason is None else TorchKernel
 
         # One kernel per pooling mode, in order of first appearance.
-        poolings = list(dict.fromkeys(t.table.pooling for t in tables))
+        poolings = list(dict.fromkeys(t.spec.pooling for t in tables))
         self.group_features = [
-            [i for i, t in enumerate(tables) if t.table.pooling == p] for p in poolings
+            [i for i, t in enumerate(tables) if t.spec.pooling == p] for p in poolings
         ]
         self.kernels = nn.ModuleList(
             kernel_cls([tables[i].spec for i in feats], optimizer, device)

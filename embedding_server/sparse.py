@@ -69,6 +69,15 @@ class SparseFeatures:
         values = torch.cat(vals) if vals else self.values[:0]
         return SparseFeatures(values=values, offsets=torch.cat(offs), batch_size=self.batch_size)
 
+    def slice_examples(self, start: int, stop: int) -> SparseFeatures:
+        """The bags of examples [start, stop) of every feature (a trainer's share of a batch)."""
+        b, f = self.batch_size, self.num_features
+        if bool((self.offsets[1:] - self.offsets[:-1] == 1).all()) and self.values.numel() == f * b:
+            return SparseFeatures.one_hot(self.values.view(f, b)[:, start:stop])
+        lengths = self.lengths()[:, start:stop]  # [F, b']
+        parts = [self.values[self.offsets[i * b + start] : self.offsets[i * b + stop]] for i in range(f)]
+        return SparseFeatures.from_lengths(torch.cat(parts), lengths)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseFeatures:
         return SparseFeatures(
             values=self.values.to(device, non_blocking=non_blocking),

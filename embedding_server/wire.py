@@ -80,3 +80,53 @@ def encode_ids(ids: np.ndarray) -> bytes:
 
 def decode_ids(blob: bytes) -> np.ndarray:
     return np.frombuffer(blob, dtype="<i8")
+
+
+# -- the distributed step --------------------------------------------------------------------------
+#
+# Ranks 0..T-1 are trainers, T..T+E-1 embedding servers, all in one torch.distributed world.
+# One lookup is three all-to-alls on the world group (four when training):
+#
+#   1. headers   int64 [HEADER] from every rank to every rank: [command, arg, payload, batch]
+#                (trainer -> server: what to do and how many int64s of ids follow; all other
+#                pairs send zeros)
+#   2. ids       int64, trainer -> server: per piece on that server, lengths [B_t] then values
+#   3. pooled    float, server -> trainer: [B_t, sum of the server's piece dims], row-major
+#   4. grads     float, trainer -> server: the same layout as 3 (training only)
+#
+# Non-lookup commands (checkpoint, stop) are a header round alone.
+
+from enum import IntEnum  # noqa: E402
+
+HEADER = 4
+"""int64s per header: command, argument, payload length, local batch size."""
+
+
+class Command(IntEnum):
+    NONE = 0
+    LOOKUP_TRAIN = 1
+    LOOKUP_EVAL = 2
+    CHECKPOINT = 3
+    STOP = 4
+
+
+EXCHANGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+"""Pooled embeddings and their gradients may cross the wire compressed."""
+
+
+def pack_ids(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Per piece (values [n], lengths [B]) -> one int64 payload: lengths_0, values_0, lengths_1, ..."""
+    flat = [t for values, lengths in parts for t in (lengths.to(torch.int64), values.to(torch.int64))]
+    return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64)
+
+
+def unpack_ids(payload: torch.Tensor, batch: int, num_pieces: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of :func:`pack_ids`: -> per piece (values, lengths)."""
+    out, pos = [], 0
+    for _ in range(num_pieces):
+        lengths = payload[pos : pos + batch]
+        pos += batch
+        n = int(lengths.sum())
+        out.append((payload[pos : pos + n], lengths))
+        pos += n
+    return out

@@ -10,6 +10,7 @@ from embedding_server.checkpoint import latest_checkpoint, load_file
 from embedding_server.errors import CheckpointError
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import StoreUnavailable, open_store
+from embedding_server.table_checkpoint import CheckpointTables
 
 from .redis_server import RedisServer
 
@@ -25,9 +26,20 @@ def store(request, tmp_path):
     s.close()
 
 
+class _Tables:
+    """table.weight of a checkpoint as a dict-like of full tensors."""
+
+    def __init__(self, path):
+        self.ct = CheckpointTables(path)
+
+    def __getitem__(self, key):
+        table, _ = key.split(".")
+        return self.ct.read(table, "weight", 0, sum(p[1] for p in self.ct.index[table] if p[2] == 0))
+
+
 def checkpoint_tables(out):
     ckpt = latest_checkpoint(out / "checkpoints")
-    return load_file(ckpt, "embeddings.pt"), load_file(ckpt, "dense.pt")
+    return _Tables(ckpt), load_file(ckpt, "dense.pt")
 
 
 def test_publish_round_trip(store, trained_criteo):

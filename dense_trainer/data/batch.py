@@ -41,6 +41,14 @@ class Batch:
     def batch_size(self) -> int:
         return self.labels.numel()
 
+    def share(self, index: int, parts: int) -> Batch:
+        """Data-parallel share ``index`` of ``parts`` (contiguous, sizes differ by at most one)."""
+        b = self.batch_size
+        start, stop = index * b // parts, (index + 1) * b // parts
+        return Batch(
+            self.dense[start:stop], self.sparse.slice_examples(start, stop), self.labels[start:stop], self.position
+        )
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
             self.dense.to(device, non_blocking=non_blocking),
