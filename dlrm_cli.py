@@ -15,29 +15,41 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from api.cli import add_serve_parser
-    from dense_trainer.cli import add_data_parser, add_train_parser
+    from dense_trainer.cli import (
+        add_data_parser,
+        add_plan_parser,
+        add_train_parser,
+        add_worker_parser,
+    )
     from embedding_server.cli import add_publish_parser
 
     parser = argparse.ArgumentParser(prog="dlrm", description="Disaggregated DLRM training and serving.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_parser(sub)
+    add_worker_parser(sub)
+    add_plan_parser(sub)
     add_data_parser(sub)
     add_publish_parser(sub)
     add_serve_parser(sub)
     return parser
 
 
-def setup_logging(verbose: bool = False) -> None:
-    """Our packages log at INFO (DEBUG with -v); third-party libraries only warnings (fbgemm logs
-    every TBE's full argument list at INFO on the root logger)."""
+def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
+    """Our packages log at INFO (DEBUG with -v, WARNING when quiet: the non-master ranks of a
+    distributed job); third-party libraries only warnings (fbgemm logs every TBE's full argument
+    list at INFO on the root logger)."""
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None else ""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
         datefmt="%H:%M:%S",
+        force=True,
     )
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     for name in ("embedding_server", "dense_trainer", "api", "dlrm"):
-        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
+        logging.getLogger(name).setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:

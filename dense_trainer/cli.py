@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 
 from dense_trainer.config import load_config, parse_override
+from embedding_server.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--live-store", metavar="URL", help="push changed rows to this serving store while training (live.store)")
+    g = p.add_argument_group("disaggregated training (dist.*)")
+    g.add_argument("--embedding-servers", type=int, metavar="E", help="embedding-server ranks (0: tables in this process)")
+    g.add_argument("--trainers", type=int, metavar="T", help="trainer ranks (data parallel)")
+    g.add_argument("--sharding", choices=["auto", "table_wise", "row_wise", "column_wise"], help="table placement")
+    g.add_argument("--server-memory", metavar="SIZE", help="memory per embedding server, e.g. 8GB")
+    g.add_argument("--exchange-dtype", choices=["fp32", "fp16", "bf16"], help="pooled embeddings/gradients on the wire")
     p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override any config field, e.g. --set optim.lr=0.002 (repeatable)",
@@ -48,6 +56,11 @@ def config_from_args(args: argparse.Namespace):
         ("data", "strict"): True if args.strict else None,
         ("train", "progress"): False if args.no_progress else None,
         ("live", "store"): args.live_store,
+        ("dist", "embedding_servers"): getattr(args, "embedding_servers", None),
+        ("dist", "trainers"): getattr(args, "trainers", None),
+        ("dist", "sharding"): getattr(args, "sharding", None),
+        ("dist", "server_memory"): getattr(args, "server_memory", None),
+        ("dist", "exchange_dtype"): getattr(args, "exchange_dtype", None),
     }
     for (section, key), value in flags.items():
         if value is not None:
@@ -64,9 +77,83 @@ def run_train(args: argparse.Namespace) -> int:
     check_files(args.train, "training")
     check_files(args.test, "test")
     prepare_out_dir(args.out)
-    trainer = Trainer(cfg, args.out)
-    metrics = trainer.fit(args.train, args.test, resume=args.resume)
+    if cfg.dist.embedding_servers or cfg.dist.trainers > 1:
+        from dense_trainer.distributed import launch_local, make_plan
+
+        if not cfg.dist.embedding_servers:
+            raise ConfigError("--trainers > 1 needs --embedding-servers (the tables live on them)")
+        make_plan(cfg, args.train)  # refuse a model that cannot fit before starting anything
+        metrics = launch_local(cfg, args.train, args.test, args.out, args.resume)
+    else:
+        metrics = Trainer(cfg, args.out).fit(args.train, args.test, resume=args.resume)
     print(format_metrics(metrics))
+    return 0
+
+
+def add_worker_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker",
+        help="one rank of a disaggregated job (launched by torchrun)",
+        description="One rank of a disaggregated training job, for torchrun or any launcher that "
+        "sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Takes the same flags as `dlrm train` "
+        "on every rank; ranks below --trainers train, the others are embedding servers.",
+    )
+    for action in sub.choices["train"]._actions:  # the same flags as `dlrm train`
+        if action.dest != "help":
+            p._add_action(action)
+    p.set_defaults(func=run_worker_cli)
+
+
+def run_worker_cli(args: argparse.Namespace) -> int:
+    from dense_trainer.distributed import run_worker
+
+    cfg = config_from_args(args)
+    if not cfg.dist.embedding_servers:
+        raise ConfigError("dlrm worker needs --embedding-servers")
+    rank = int(os.environ.get("RANK", "-1"))
+    if rank < 0:
+        raise ConfigError("dlrm worker: RANK is not set (launch it with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+    metrics = run_worker(rank, cfg, args.train, args.test, args.out, args.resume)
+    if metrics is not None:
+        print(format_metrics(metrics))
+    return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="print the sharding plan of the tables over embedding servers")
+    p.add_argument("--config", type=Path, metavar="TOML")
+    p.add_argument("--embedding-servers", type=int, required=True, metavar="E")
+    p.add_argument("--server-memory", metavar="SIZE", help="e.g. 8GB")
+    p.add_argument("--sharding", choices=["auto", "table_wise", "row_wise", "column_wise"], default=None)
+    p.add_argument("--sample", type=Path, metavar="FILE", help="data file to measure pooling factors on")
+    p.add_argument("--hash-size", type=int)
+    p.add_argument("--embedding-dim", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from dense_trainer.distributed import make_plan
+    from embedding_server.planner import describe_plan
+
+    overrides = [parse_override(s) for s in args.set]
+    for (section, key), value in {("dist", "embedding_servers"): args.embedding_servers,
+                                  ("dist", "server_memory"): args.server_memory, ("dist", "sharding"): args.sharding,
+                                  ("embedding", "hash_size"): args.hash_size, ("embedding", "dim"): args.embedding_dim,
+                                  ("train", "batch_size"): args.batch_size}.items():
+        if value is not None:
+            overrides.append({section: {key: value}})
+    cfg = load_config(args.config, overrides)
+    if args.sample is not None:
+        from dense_trainer.data.criteo import check_files
+
+        check_files([args.sample], "sample")
+    plan = make_plan(cfg, [args.sample] if args.sample else None)
+    from dense_trainer.distributed import pooling_factors
+
+    factors = pooling_factors(cfg, [args.sample]) if args.sample else None
+    print(describe_plan(plan, cfg.feature_spec(), cfg.embedding.optimizer.kind, cfg.train.batch_size, factors))
     return 0
 
 

@@ -147,6 +147,7 @@ class Trainer:
         self.optimizer = build_dense_optimizer(cfg.optim, self.model.parameters())
         self.state = TrainState()
         self._stop_signal: int | None = None
+        self._peer_stopped = False
         self.live = None  # a LivePublisher while live updates run
         self.timings = {"embedding_forward_s": 0.0, "dense_forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
         self.step_losses: list[float] = []
@@ -380,7 +381,7 @@ class Trainer:
                 if cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0:
                     self._checkpoint_with(loader)
                     t_last = time.perf_counter()
-                if self._stop_signal is not None or (cfg.max_steps and s.step >= cfg.max_steps):
+                if self._should_stop() or (cfg.max_steps and s.step >= cfg.max_steps):
                     finished = False
                     break
         finally:
@@ -394,9 +395,10 @@ class Trainer:
         if summary:
             log.warning(summary)
         self._checkpoint_with(loader)
-        if self._stop_signal is not None:
+        if self._stop_signal is not None or self._peer_stopped:
+            self._stop_cluster()
             raise KeyboardInterrupt(
-                f"stopped by {signal.Signals(self._stop_signal).name} at step {s.step}; "
+                f"stopped by {signal.Signals(self._stop_signal or signal.SIGTERM).name} at step {s.step}; "
                 f"checkpoint written to {self.checkpoint_dir}, continue with --resume"
             )
         if s.samples_seen == 0:
@@ -404,6 +406,15 @@ class Trainer:
         final = self._evaluate_into_history(test_files, final=True)
         cluster_stats = self._stop_cluster()
         return self._write_metrics(final, train_files, test_files, finished, cluster_stats)
+
+    def _should_stop(self) -> bool:
+        """A stop signal seen by any trainer stops them all at the same step."""
+        if self.trainers == 1:
+            return self._stop_signal is not None
+        flag = torch.tensor([1 if self._stop_signal is not None else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.cluster.trainer_group)
+        self._peer_stopped = bool(flag.item())
+        return self._peer_stopped
 
     def _stop_cluster(self) -> dict | None:
         """Stop the embedding servers and collect every rank's timings and traffic at the master."""

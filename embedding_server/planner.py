@@ -126,6 +126,14 @@ def plan_sharding(
 
     def row_wise(t: int, table: TableSpec) -> None:
         blocks = _row_blocks(table.rows, num_servers)
+        for server, (_, rows) in enumerate(blocks):
+            need = piece_bytes(rows, table.dim, optimizer)
+            if used[server] + need > budget:
+                raise ConfigError(
+                    f"table {table.name} does not fit: split row-wise over {num_servers} server(s) it needs "
+                    f"{_fmt(need)} on server {server}, which has {_fmt(budget - used[server])} left: "
+                    f"{_fmt(used[server] + need - budget)} short (add servers or raise --server-memory)"
+                )
         for server, (r0, rows) in enumerate(blocks):
             add(t, table, server, "row_wise", r0, rows, 0, table.dim, rows / table.rows)
 

@@ -1,0 +1,196 @@
+"""Disaggregated training: embedding-server ranks and trainer ranks in one torch.distributed world.
+
+    dlrm train ... --embedding-servers E --trainers T      one machine: this module spawns the
+                                                           E + T processes over loopback
+    torchrun ... -m dlrm_cli worker ... (same flags)       several machines: each process takes
+                                                           its role from its rank
+
+Every process builds the same feature spec; the master trainer plans the sharding (pooling
+factors measured on the first training file) and broadcasts the plan. Trainers run the usual
+``Trainer`` with a ``DistributedEmbeddingClient``; servers run ``EmbeddingServer.serve``.
+
+Faults: the local launcher watches its children; when one dies it stops the others at once and
+names the lost rank. Under torchrun, a lost peer surfaces in every other rank as a failed
+collective (within ``dist.timeout_s``), which ends that rank with a message, and torchrun tears
+the job down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dense_trainer.config import Config
+from dense_trainer.data.loader import CriteoLoader
+from embedding_server.checkpoint import latest_checkpoint
+from embedding_server.cluster import Roles, join
+from embedding_server.dist_client import DistributedEmbeddingClient
+from embedding_server.errors import DlrmError
+from embedding_server.planner import ShardingPlan, parse_bytes, plan_sharding
+from embedding_server.server import EmbeddingServer
+
+log = logging.getLogger(__name__)
+
+SAMPLE_ROWS = 20_000
+"""Rows of the first training file read to measure each table's pooling factor."""
+
+
+def pooling_factors(cfg: Config, files: list[Path]) -> list[float]:
+    """Mean ids per bag of each table, on the first rows of the training data."""
+    spec = cfg.feature_spec()
+    loader = CriteoLoader(files[:1], spec, SAMPLE_ROWS, num_workers=0, max_rows=SAMPLE_ROWS)
+    batch = next(iter(loader), None)
+    if batch is None:
+        return [1.0] * len(spec.tables)
+    return [float(x) for x in batch.sparse.lengths().float().mean(dim=1)]
+
+
+def make_plan(cfg: Config, files: list[Path] | None) -> ShardingPlan:
+    d = cfg.dist
+    factors = pooling_factors(cfg, files) if files else None
+    memory = parse_bytes(d.server_memory) if d.server_memory else None
+    return plan_sharding(cfg.feature_spec(), d.embedding_servers, cfg.embedding.optimizer.kind, d.sharding,
+                         memory, factors)
+
+
+def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool) -> dict | None:
+    """One rank's whole life: join, plan, train or serve, leave. Returns metrics on the master."""
+    roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
+    cluster = join(roles, cfg.dist.timeout_s, rank)
+    # Who is who, for operators (and the fault tests): out/ranks/rank-<r>.json
+    (out / "ranks").mkdir(parents=True, exist_ok=True)
+    (out / "ranks" / f"rank-{rank}.json").write_text(
+        json.dumps({"rank": rank, "role": roles.describe(rank), "pid": os.getpid(), "host": socket.gethostname()})
+    )
+    # Ranks sharing a machine share its cores: oversubscribed OpenMP pools spin against each
+    # other and slow every rank down many times over.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", roles.world_size))
+    torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local))
+    try:
+        holder = [make_plan(cfg, train).model_dump_json() if rank == 0 else None]
+        dist.broadcast_object_list(holder, src=0)
+        plan = ShardingPlan.model_validate_json(holder[0])
+        spec = cfg.feature_spec()
+        if cluster.is_trainer:
+            from dense_trainer.train import Trainer
+
+            client = DistributedEmbeddingClient(cluster, plan, spec, grad_scale=1.0 / roles.num_trainers,
+                                                exchange_dtype=cfg.dist.exchange_dtype)
+            metrics = Trainer(cfg, out, client=client, cluster=cluster).fit(train, test, resume=resume)
+            return metrics if cluster.is_master else None
+        # An embedding server outlives signals: it stops when the trainers say so (after their
+        # last checkpoint), or when they are gone.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        server = EmbeddingServer(cluster, plan, spec, cfg.embedding.optimizer, cfg.train.seed,
+                                 cfg.embedding.init_scale or None, out / "checkpoints", cfg.dist.exchange_dtype)
+        if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
+            server.restore(ckpt)
+        stats = server.serve()
+        dist.gather_object(stats, None, dst=0)
+        return None
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken world cannot be torn down cleanly; the process ends anyway
+            pass
+
+
+def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: int, result_path: str) -> None:
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank))
+    cfg = Config.model_validate_json(cfg_json)
+    os.environ["WORLD_SIZE"] = str(cfg.dist.trainers + cfg.dist.embedding_servers)
+    from dlrm_cli import setup_logging
+
+    setup_logging(quiet=rank != 0)  # the master speaks for the job
+    try:
+        metrics = run_worker(rank, cfg, [Path(f) for f in train], [Path(f) for f in test], Path(out), resume)
+        if metrics is not None:
+            Path(result_path).write_text(json.dumps({"ok": True}))
+    except KeyboardInterrupt as exc:
+        Path(result_path).write_text(json.dumps({"interrupted": str(exc)}))
+        raise SystemExit(130) from None
+    except DlrmError as exc:
+        print(f"dlrm train: {Roles(cfg.dist.trainers, cfg.dist.embedding_servers).describe(rank)}: error: {exc}", flush=True)
+        raise SystemExit(2) from None
+    except Exception as exc:  # a lost peer, or a bug: one line, the traceback only when asked
+        role = Roles(cfg.dist.trainers, cfg.dist.embedding_servers).describe(rank)
+        print(f"dlrm train: {role} stopped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        if os.environ.get("DLRM_DEBUG"):
+            traceback.print_exc()
+        raise SystemExit(1) from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool) -> dict:
+    """Run the whole cluster as local processes; return the master's metrics."""
+    roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
+    port = cfg.dist.master_port or free_port()
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / ".launch-result.json"
+    result.unlink(missing_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(roles.world_size):
+        p = ctx.Process(
+            target=_child, name=roles.describe(rank),
+            args=(rank, cfg.model_dump_json(), [str(f) for f in train], [str(f) for f in test], str(out), resume,
+                  cfg.dist.master_addr, port, str(result)),
+        )
+        p.start()
+        procs.append(p)
+    trainers = procs[: roles.num_trainers]
+
+    def forward_signal(signum, _frame):  # trainers checkpoint and stop the servers themselves
+        for p in trainers:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    old = {sig: signal.signal(sig, forward_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        failed = None
+        while any(p.is_alive() for p in procs):
+            for rank, p in enumerate(procs):
+                if p.exitcode not in (None, 0, 130) and failed is None:
+                    failed = (rank, p.exitcode)
+            if failed is not None:
+                break
+            time.sleep(0.1)
+        if failed is None:
+            failed = next(((r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, 130)), None)
+        if failed is not None:
+            for p in procs:  # the others cannot go on without it
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+            rank, code = failed
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+            raise DlrmError(f"{roles.describe(rank)} {how}; the other ranks were stopped")
+        for p in procs:
+            p.join()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    status = json.loads(result.read_text()) if result.exists() else {}
+    result.unlink(missing_ok=True)
+    if "interrupted" in status:
+        raise KeyboardInterrupt(status["interrupted"])
+    return json.loads((out / "metrics.json").read_text())
