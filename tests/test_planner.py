@@ -1,0 +1,97 @@
+"""Sharding planner, the three sharding schemes, and the id wire format."""
+
+import pytest
+import torch
+
+from embedding_server.errors import ConfigError
+from embedding_server.features import TableSpec, criteo_spec
+from embedding_server.planner import Piece, describe_plan, parse_bytes, plan_sharding
+from embedding_server.sharding import column_wise, row_wise, table_wise
+from embedding_server.wire import pack_ids, unpack_ids
+
+SPEC = criteo_spec([1000] * 20 + [100_000] * 6, [16] * 26)
+
+
+def covered(plan, spec):
+    """Every (row, column) of every table is held by exactly one piece."""
+    for t in spec.tables:
+        cells = torch.zeros(t.rows, t.dim, dtype=torch.int32)
+        for p in plan.pieces_of(t.name):
+            cells[p.row_start : p.row_start + p.rows, p.col_start : p.col_start + p.dim] += 1
+        assert bool((cells == 1).all()), t.name
+
+
+@pytest.mark.parametrize("strategy", ["auto", "table_wise", "row_wise", "column_wise"])
+@pytest.mark.parametrize("servers", [1, 2, 3])
+def test_every_cell_placed_once(strategy, servers):
+    plan = plan_sharding(SPEC, servers, "rowwise_adagrad", strategy)
+    covered(plan, SPEC)
+    assert {p.server for p in plan.pieces} <= set(range(servers))
+
+
+def test_auto_balances_and_splits_what_does_not_fit():
+    plan = plan_sharding(SPEC, 2, "rowwise_adagrad", "auto")
+    assert all(p.kind == "table_wise" for p in plan.pieces)
+    loads = [sum(1 for p in plan.pieces_on(s)) for s in range(2)]
+    assert abs(loads[0] - loads[1]) <= 2
+    big = criteo_spec([1000] * 25 + [10_000_000], [16] * 26)
+    plan = plan_sharding(big, 3, "rowwise_adagrad", "auto", server_memory=parse_bytes("400MB"))
+    assert plan.kind_of("C26") == "row_wise" and len(plan.pieces_of("C26")) == 3
+
+
+def test_refuses_a_model_that_cannot_fit_naming_table_and_shortfall():
+    big = criteo_spec([1000] * 25 + [10_000_000], [16] * 26)
+    with pytest.raises(ConfigError, match=r"table C26 .* short"):
+        plan_sharding(big, 1, "rowwise_adagrad", "auto", server_memory=parse_bytes("100MB"))
+    with pytest.raises(ConfigError, match=r"table C26 does not fit: split row-wise over 2"):
+        plan_sharding(big, 2, "adam", "auto", server_memory=parse_bytes("300MB"))
+
+
+def test_parse_bytes_and_describe():
+    assert parse_bytes("8GB") == 8 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
+    with pytest.raises(ConfigError):
+        parse_bytes("lots")
+    text = describe_plan(plan_sharding(SPEC, 2, "sgd", "row_wise"), SPEC, "sgd", 512)
+    assert "imbalance" in text and "C26[rows 50000:100000]" in text
+
+
+def test_column_wise_dims_are_multiples_of_four():
+    spec = criteo_spec([100] * 26, [24] * 26)
+    plan = plan_sharding(spec, 4, "sgd", "column_wise")
+    assert sorted(p.dim for p in plan.pieces_of("C1")) == [4, 4, 8, 8]
+
+
+TABLE = TableSpec(name="t", rows=10, dim=4, pooling="mean")
+
+
+def test_row_wise_route_combine_split():
+    pieces = [Piece(table="t", table_index=0, server=s, kind="row_wise", row_start=5 * s, rows=5, col_start=0, dim=4)
+              for s in range(2)]
+    values, lengths = torch.tensor([1, 7, 9, 3, 4]), torch.tensor([2, 0, 3])
+    parts = row_wise.route(values, lengths, pieces, TABLE)
+    assert parts[0][0].tolist() == [1, 3, 4] and parts[0][1].tolist() == [1, 0, 2]
+    assert parts[1][0].tolist() == [2, 4] and parts[1][1].tolist() == [1, 0, 1]
+    out = row_wise.combine([torch.ones(3, 4), 2 * torch.ones(3, 4)], lengths, TABLE)
+    assert out[0].tolist() == [1.5] * 4 and out[1].tolist() == [3.0] * 4  # empty bag: /1, no NaN
+    grads = row_wise.split_grad(torch.ones(3, 4), lengths, pieces, TABLE)
+    assert len(grads) == 2
+    torch.testing.assert_close(grads[0][2], torch.full((4,), 1 / 3))
+
+
+def test_column_and_table_wise():
+    pieces = [Piece(table="t", table_index=0, server=s, kind="column_wise", row_start=0, rows=10, col_start=2 * s,
+                    dim=2) for s in range(2)]
+    values, lengths = torch.tensor([1, 2]), torch.tensor([1, 1])
+    assert all(torch.equal(v, values) for v, _ in column_wise.route(values, lengths, pieces, TABLE))
+    out = column_wise.combine([torch.zeros(2, 2), torch.ones(2, 2)], lengths, TABLE)
+    assert out.tolist() == [[0, 0, 1, 1]] * 2
+    assert [g.shape[1] for g in column_wise.split_grad(torch.ones(2, 4), lengths, pieces, TABLE)] == [2, 2]
+    assert table_wise.route(values, lengths, pieces[:1], TABLE)[0][0] is values
+
+
+def test_id_payload_round_trip():
+    parts = [(torch.tensor([5, 6, 7]), torch.tensor([2, 1])), (torch.tensor([], dtype=torch.int64), torch.tensor([0, 0]))]
+    payload = pack_ids(parts)
+    back = unpack_ids(payload, batch=2, num_pieces=2)
+    for (v, ln), (v2, ln2) in zip(parts, back, strict=True):
+        assert torch.equal(v, v2) and torch.equal(ln, ln2)
