@@ -51,12 +51,13 @@ bench-env: $(BENCH_VENV)/.stamp
 $(BENCH_VENV)/.stamp: pyproject.toml bench/requirements-torchrec.txt
 	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet $(TORCH_EXTRA) torch==2.13.0
-	$(BENCH_VENV)/bin/pip install --quiet -e '.[cpu]' -r bench/requirements-torchrec.txt
+	$(BENCH_VENV)/bin/pip install --quiet -e '.[cpu,dev]' -r bench/requirements-torchrec.txt
 	$(BENCH_VENV)/bin/pip install --quiet --no-deps torchrec==1.8.0
 	@touch $@
 
 bench: setup bench-env
 	$(BENCH_VENV)/bin/python bench/train_throughput.py
+	$(BENCH_VENV)/bin/python bench/distributed_throughput.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/serving.py
 

@@ -63,6 +63,20 @@ def make_plan(cfg: Config, files: list[Path] | None) -> ShardingPlan:
                          memory, factors)
 
 
+def rank_threads(roles: Roles, rank: int) -> int:
+    """Intra-op threads of a rank sharing this machine with the others.
+
+    The step is sequential (trainers wait for lookups, servers for gradients), and a server's
+    fused lookups are light, so the cores go to the trainers' dense math and each server gets
+    one thread. Oversubscribed OpenMP pools would spin against each other.
+    """
+    if not roles.is_trainer(rank):
+        return 1
+    cores = os.cpu_count() or 1
+    local_trainers = int(os.environ.get("LOCAL_TRAINERS", roles.num_trainers))
+    return max(1, cores // local_trainers)
+
+
 def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool) -> dict | None:
     """One rank's whole life: join, plan, train or serve, leave. Returns metrics on the master."""
     roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
@@ -74,8 +88,7 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
     )
     # Ranks sharing a machine share its cores: oversubscribed OpenMP pools spin against each
     # other and slow every rank down many times over.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", roles.world_size))
-    torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local))
+    torch.set_num_threads(cfg.train.threads or rank_threads(roles, rank))
     try:
         holder = [make_plan(cfg, train).model_dump_json() if rank == 0 else None]
         dist.broadcast_object_list(holder, src=0)
