@@ -14,7 +14,6 @@ import torch
 from dense_trainer.distributed import launch_local
 from dense_trainer.train import Trainer
 from embedding_server.checkpoint import latest_checkpoint
-from embedding_server.features import criteo_spec
 from embedding_server.optimizers import SparseOptimizerConfig
 from embedding_server.planner import plan_sharding
 from embedding_server.shard import EmbeddingShard
