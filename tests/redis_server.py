@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -12,11 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dense_trainer.distributed import free_port
 
 
 class RedisServer:

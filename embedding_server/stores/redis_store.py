@@ -62,6 +62,17 @@ UPDATES_MAXLEN = 20_000
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
+def rows_by_part(ids: np.ndarray, rows: np.ndarray, dtype) -> dict[int, dict[bytes, bytes]]:
+    """Hash part -> {row id (decimal) -> encoded row}: the HSET mappings for some rows."""
+    enc = encode_rows(rows, dtype)
+    stride = enc.shape[1] * enc.itemsize
+    raw = enc.tobytes()
+    by_part: dict[int, dict[bytes, bytes]] = defaultdict(dict)
+    for i, row in enumerate(ids.tolist()):
+        by_part[row >> PART_BITS][b"%d" % row] = raw[i * stride : (i + 1) * stride]
+    return by_part
+
+
 class RedisVersionWriter(VersionWriter):
     def __init__(self, store: RedisStore, meta: ModelVersion) -> None:
         self.store = store
@@ -80,16 +91,10 @@ class RedisVersionWriter(VersionWriter):
         self._bytes = 0
 
     def write_rows(self, table: str, start: int, rows: np.ndarray) -> None:
-        enc = encode_rows(rows, self.meta.row_dtype)
-        stride = enc.shape[1] * enc.itemsize
-        raw = enc.tobytes()
-        by_part: dict[int, dict[bytes, bytes]] = defaultdict(dict)
-        for i in range(len(enc)):
-            row = start + i
-            by_part[row >> PART_BITS][b"%d" % row] = raw[i * stride : (i + 1) * stride]
-        for part, mapping in by_part.items():
+        ids = np.arange(start, start + len(rows), dtype=np.int64)
+        for part, mapping in rows_by_part(ids, rows, self.meta.row_dtype).items():
             self._pipe.hset(self.store.rows_key(self.meta.version, table, part), mapping=mapping)
-        self._bytes += len(raw)
+        self._bytes += rows.shape[0] * rows.shape[1] * NUMPY_DTYPE[self.meta.row_dtype].itemsize
         if self._bytes >= PIPELINE_BYTES:
             self._flush()
 
@@ -259,13 +264,7 @@ class RedisStore(ServingStore):
         pipe = self.client.pipeline(transaction=False)
         stream = self.key("v", version, "updates")
         for table, (ids, rows) in updates.items():
-            enc = encode_rows(rows, meta.row_dtype)
-            stride = enc.shape[1] * enc.itemsize
-            raw = enc.tobytes()
-            by_part: dict[int, dict[bytes, bytes]] = defaultdict(dict)
-            for i, row in enumerate(ids.tolist()):
-                by_part[row >> PART_BITS][b"%d" % row] = raw[i * stride : (i + 1) * stride]
-            for part, mapping in by_part.items():
+            for part, mapping in rows_by_part(ids, rows, meta.row_dtype).items():
                 pipe.hset(self.rows_key(version, table, part), mapping=mapping)
             pipe.xadd(stream, {b"t": table.encode(), b"ids": encode_ids(ids)}, maxlen=UPDATES_MAXLEN, approximate=True)
         with self.errors():
