@@ -35,7 +35,7 @@ from dense_trainer.data.loader import CriteoLoader
 from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.cluster import Roles, join
 from embedding_server.dist_client import DistributedEmbeddingClient
-from embedding_server.errors import DlrmError
+from embedding_server.errors import ConfigError, DlrmError
 from embedding_server.planner import ShardingPlan, parse_bytes, plan_sharding
 from embedding_server.server import EmbeddingServer
 
@@ -59,8 +59,11 @@ def make_plan(cfg: Config, files: list[Path] | None) -> ShardingPlan:
     d = cfg.dist
     factors = pooling_factors(cfg, files) if files else None
     memory = parse_bytes(d.server_memory) if d.server_memory else None
-    return plan_sharding(cfg.feature_spec(), d.embedding_servers, cfg.embedding.optimizer.kind, d.sharding,
+    plan = plan_sharding(cfg.feature_spec(), d.embedding_servers, cfg.embedding.optimizer.kind, d.sharding,
                          memory, factors)
+    if cfg.live.store and any(p.kind == "column_wise" for p in plan.pieces):
+        raise ConfigError("live updates need whole rows on each server: use table- or row-wise sharding")
+    return plan
 
 
 def rank_threads(roles: Roles, rank: int) -> int:
@@ -106,7 +109,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server = EmbeddingServer(cluster, plan, spec, cfg.embedding.optimizer, cfg.train.seed,
-                                 cfg.embedding.init_scale or None, out / "checkpoints", cfg.dist.exchange_dtype)
+                                 cfg.embedding.init_scale or None, out / "checkpoints", cfg.dist.exchange_dtype,
+                                 cfg.live.store, cfg.live.push_every_s)
         if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
             server.restore(ckpt)
         stats = server.serve()

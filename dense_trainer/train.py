@@ -318,15 +318,8 @@ class Trainer:
                 self.load_checkpoint(ckpt)
 
         s = self.state
-        if self.cfg.live.store and self.cluster is not None:
-            raise ConfigError("live updates (live.store) run with in-process tables only, not with embedding servers yet")
         if self.cfg.live.store and self.live is None:
-            from dense_trainer.live import LivePublisher
-            from embedding_server.stores import open_store
-
-            live = self.cfg.live
-            self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)
-            self.live.start()
+            self._start_live()
         loader = self._loader(train_files, cfg.batch_size, cfg.epochs, start=s.position)
         loader.bad_lines.restore(s.bad_lines)
         old_handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -406,6 +399,22 @@ class Trainer:
         final = self._evaluate_into_history(test_files, final=True)
         cluster_stats = self._stop_cluster()
         return self._write_metrics(final, train_files, test_files, finished, cluster_stats)
+
+    def _start_live(self) -> None:
+        from dense_trainer.live import LivePublisher
+        from embedding_server.stores import open_store
+
+        live = self.cfg.live
+        if self.cluster is None:
+            self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)
+            self.live.start()
+            return
+        # Embedding servers: checkpoint, the master publishes it, then every server pushes its rows.
+        checkpoint = self.save_checkpoint()
+        if self.is_master:
+            self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)
+            self.live.start_from_checkpoint(checkpoint)
+        self.client.live_start()
 
     def _should_stop(self) -> bool:
         """A stop signal seen by any trainer stops them all at the same step."""

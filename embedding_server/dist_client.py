@@ -155,6 +155,10 @@ class DistributedEmbeddingClient(EmbeddingClient):
     def restore(self, checkpoint: Path) -> None:
         """Servers restore their own pieces when they start (see ``EmbeddingServer.restore``)."""
 
+    def live_start(self) -> None:
+        """Every trainer calls this once the master has published the live version."""
+        self._headers(Command.LIVE_START, 0, [], 0)
+
     def export_state(self) -> dict[str, torch.Tensor]:
         raise DlrmError("the tables live on the embedding servers; read them from a checkpoint")
 

@@ -7,6 +7,7 @@ optimizer) and answers the trainers in lockstep, one command per round (see ``wi
                    gradients in -> backward, which applies the optimizer to the touched rows
     LOOKUP_EVAL    the same without gradients
     CHECKPOINT     save the pieces and their optimizer state into the partial checkpoint
+    LIVE_START     start pushing changed rows to the serving store's current (live) version
     STOP           report timings and leave
 """
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from embedding_server.checkpoint import partial_dir, save_file
 from embedding_server.cluster import Cluster
 from embedding_server.features import FeatureSpec
+from embedding_server.live import LivePusher
 from embedding_server.optimizers import SparseOptimizerConfig
 from embedding_server.planner import ShardingPlan
 from embedding_server.shard import EmbeddingShard
@@ -43,6 +45,8 @@ class EmbeddingServer:
         init_scale: float | None,
         checkpoint_root: Path,
         exchange_dtype: str = "fp32",
+        live_store: str | None = None,
+        live_push_every_s: float = 1.0,
     ) -> None:
         self.cluster = cluster
         self.roles = cluster.roles
@@ -55,6 +59,8 @@ class EmbeddingServer:
         self.wire_dtype = EXCHANGE_DTYPES[exchange_dtype]
         self.timings = {"lookup_s": 0.0, "update_s": 0.0, "wait_s": 0.0}
         self.steps = 0
+        self.live_store, self.live_push_every_s = live_store, live_push_every_s
+        self.live: LivePusher | None = None
 
     def restore(self, checkpoint: Path) -> None:
         if self.shard is not None:
@@ -74,7 +80,12 @@ class EmbeddingServer:
             if not bool((h[:, 0] == h[0, 0]).all()):
                 raise RuntimeError(f"server {self.index}: trainers disagree on the command: {h[:, 0].tolist()}")
             if command == Command.STOP:
+                if self.live is not None:
+                    self.live.close()
                 return {"server": self.index, "steps": self.steps, **self.timings}
+            if command == Command.LIVE_START:
+                self.start_live()
+                continue
             if command == Command.CHECKPOINT:
                 self.save(int(h[0, 1]))
                 dist.barrier()
@@ -117,10 +128,29 @@ class EmbeddingServer:
             t3 = time.perf_counter()
             if self.shard is not None and total > 0:
                 pooled.backward(grads.view(total, self.width).to(pooled.dtype))  # fused optimizer step
+                if self.live is not None:
+                    for p in range(len(self.pieces)):
+                        self.live.mark(p, torch.cat([per_trainer[t][p][0] for t in range(trainers)]).numpy())
+                    self.live.maybe_push()
             self.timings["update_s"] += time.perf_counter() - t3
             self.steps += 1
         else:
             self.timings["wait_s"] += time.perf_counter() - t2
+
+    def start_live(self) -> None:
+        """Push this server's changed rows to the version the master just published."""
+        if self.shard is None or not self.live_store:
+            return
+        from embedding_server.stores import open_store
+
+        store = open_store(self.live_store)
+        version = store.current_version()
+        names = [p.table for p in self.pieces]
+        self.live = LivePusher(
+            store, version, [(p.table, p.row_start, p.rows) for p in self.pieces],
+            lambda: [self.shard.table_weights()[n] for n in names], self.live_push_every_s,
+        )
+        log.info("server %d pushes live updates to %s (version %s)", self.index, self.live_store, version)
 
     def save(self, step: int) -> None:
         directory = partial_dir(self.checkpoint_root, step)

@@ -108,6 +108,7 @@ class Command(IntEnum):
     LOOKUP_EVAL = 2
     CHECKPOINT = 3
     STOP = 4
+    LIVE_START = 5
 
 
 EXCHANGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -70,3 +70,31 @@ def test_dlrm_train_with_live_store_publishes_and_pushes(redis_server, synth_sma
     rows, present = store.get_rows(version, "C1", np.arange(50))
     assert present.all()
     np.testing.assert_array_equal(rows, weights[:50].numpy())
+
+
+def test_distributed_training_pushes_live_updates_from_the_servers(redis_server, synth_small, tmp_path):
+    import numpy as np
+    import torch
+
+    from dense_trainer.distributed import launch_local
+    from embedding_server.checkpoint import latest_checkpoint, load_file
+    from embedding_server.table_checkpoint import CheckpointTables
+
+    url = f"{redis_server.url}?prefix=livedist{uuid.uuid4().hex[:6]}"
+    cfg = tiny_config(live={"store": url, "push_every_s": 0.2, "dense_every_s": 0.5},
+                      dist={"embedding_servers": 2, "trainers": 2, "sharding": "row_wise"})
+    launch_local(cfg, [synth_small / "train.txt"], [synth_small / "test.txt"], tmp_path / "run", resume=False)
+    store = open_store(url)
+    version = store.current_version()
+    assert version.startswith("live-")
+    updates = store.client.xlen(store.key("v", version, "updates"))
+    assert updates >= 4  # both servers pushed rows during training, the master dense weights
+    final = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    tables = CheckpointTables(final)
+    for name in ["C1", "C10", "C26"]:  # the store ends with the final rows of every piece
+        rows, present = store.get_rows(version, name, np.arange(20_000))
+        assert present.all()
+        np.testing.assert_array_equal(rows, tables.read(name, "weight", 0, 20_000).numpy())
+    dense = load_file(final, "dense.pt")
+    served = store.read_dense(version)
+    assert all(torch.equal(served[k], v) for k, v in dense.items())
