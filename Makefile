@@ -13,12 +13,12 @@ TORCH_EXTRA := $(shell getent hosts download.pytorch.org >/dev/null 2>&1 && echo
 DEMO     ?= build/demo
 BENCH_VENV ?= .venv-bench
 
-.PHONY: setup demo test test-fast bench bench-env lint clean redis-server
+.PHONY: setup demo test test-fast bench bench-env lint clean system-packages compose-data
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@command -v redis-server >/dev/null 2>&1 || $(MAKE) --no-print-directory redis-server
+	@command -v redis-server >/dev/null 2>&1 && command -v docker-compose >/dev/null 2>&1 || $(MAKE) --no-print-directory system-packages
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_EXTRA) torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[cpu,dev]'
@@ -28,12 +28,17 @@ $(STAMP): pyproject.toml
 demo: setup
 	BIN=$(BIN) DEMO=$(DEMO) bash scripts/demo.sh
 
-# Debian's redis-server, for the integration tests (the tests skip Redis when it is missing).
-redis-server:
+# Debian's redis-server and docker-compose, for the integration tests (which skip them when
+# missing; CI installs them itself).
+system-packages:
 	@if [ "$$(id -u)" = 0 ]; then SUDO=; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then SUDO=sudo; \
-	else echo "note: redis-server is not installed and needs root: sudo apt-get install redis-server"; exit 0; fi; \
-	$$SUDO apt-get install -y -q redis-server >/dev/null 2>&1 || { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server >/dev/null; }; \
-	command -v redis-server >/dev/null && echo "installed $$(redis-server --version | cut -d' ' -f3)"
+	else echo "note: redis-server / docker-compose need root: sudo apt-get install redis-server docker-compose"; exit 0; fi; \
+	$$SUDO apt-get install -y -q redis-server docker-compose >/dev/null 2>&1 || { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server docker-compose >/dev/null; }; \
+	command -v redis-server >/dev/null && echo "installed $$(redis-server --version | cut -d' ' -f3), docker-compose $$(docker-compose version --short)"
+
+# Data for `docker compose -f docker/compose.yaml up` (mounted at /data).
+compose-data: setup
+	$(BIN)/dlrm data synth --train-rows 200000 --test-rows 20000 --seed 0 --out build/compose-data > /dev/null
 
 test: setup
 	$(BIN)/python -m pytest -q

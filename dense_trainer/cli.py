@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from dense_trainer.config import load_config, parse_override
+from embedding_server.cli import fill_from_env
 from embedding_server.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -21,9 +22,9 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         description="Train a DLRM on Criteo-layout files (plain or .gz) and write metrics.json, "
         "curves.png and checkpoints to --out. Precedence: flags > --config file > defaults.",
     )
-    p.add_argument("--train", nargs="+", type=Path, required=True, metavar="FILE", help="training files, read in order")
-    p.add_argument("--test", nargs="+", type=Path, required=True, metavar="FILE", help="held-out test files")
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory")
+    p.add_argument("--train", nargs="+", type=Path, metavar="FILE", help="training files, read in order (required)")
+    p.add_argument("--test", nargs="+", type=Path, metavar="FILE", help="held-out test files (required)")
+    p.add_argument("--out", type=Path, metavar="DIR", help="output directory (required)")
     p.add_argument("--config", type=Path, metavar="TOML", help="config file (see configs/)")
     p.add_argument("--epochs", type=int, help="train.epochs")
     p.add_argument("--batch-size", type=int, help="train.batch_size")
@@ -43,10 +44,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override any config field, e.g. --set optim.lr=0.002 (repeatable)",
     )
-    p.set_defaults(func=run_train)
+    p.epilog = "Every option may also come from the environment as DLRM_<OPTION>, e.g. DLRM_TRAIN, DLRM_EMBEDDING_SERVERS."
+    p.set_defaults(func=run_train, parser=p)
 
 
 def config_from_args(args: argparse.Namespace):
+    fill_from_env(args.parser, args, ["train", "test", "out"])
     overrides = [parse_override(s) for s in args.set]
     flags = {
         ("train", "epochs"): args.epochs,
@@ -101,7 +104,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
     for action in sub.choices["train"]._actions:  # the same flags as `dlrm train`
         if action.dest != "help":
             p._add_action(action)
-    p.set_defaults(func=run_worker_cli)
+    p.set_defaults(func=run_worker_cli, parser=p)
 
 
 def run_worker_cli(args: argparse.Namespace) -> int:
@@ -201,7 +204,6 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_synth(args: argparse.Namespace) -> int:
     from dense_trainer.data.synth import synthesize
-    from embedding_server.errors import ConfigError
 
     if args.train_rows < 1 or args.test_rows < 1:
         raise ConfigError("--train-rows and --test-rows must be at least 1")

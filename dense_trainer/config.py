@@ -149,6 +149,8 @@ class DistConfig(_Section):
     """Memory each embedding server may use for tables and optimizer state, e.g. "8GB"."""
     timeout_s: float = Field(default=60.0, gt=0)
     """A lost rank ends the job within this many seconds, naming it (never a hang)."""
+    join_timeout_s: float = Field(default=600.0, gt=0)
+    """How long ranks wait for each other at start-up (they may start in any order)."""
     exchange_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     """Type of pooled embeddings and gradients on the wire (fp16/bf16 halve the bytes)."""
     master_addr: str = "127.0.0.1"

@@ -83,7 +83,7 @@ def rank_threads(roles: Roles, rank: int) -> int:
 def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool) -> dict | None:
     """One rank's whole life: join, plan, train or serve, leave. Returns metrics on the master."""
     roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
-    cluster = join(roles, cfg.dist.timeout_s, rank)
+    cluster = join(roles, cfg.dist.timeout_s, rank, cfg.dist.join_timeout_s)
     # Who is who, for operators (and the fault tests): out/ranks/rank-<r>.json
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank-{rank}.json").write_text(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
+import time
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -62,8 +64,29 @@ class Cluster:
         return self.rank == 0
 
 
-def join(roles: Roles, timeout_s: float, rank: int | None = None) -> Cluster:
-    """Join the world (address and rank from the environment, as torchrun sets them)."""
+def wait_for_master(addr: str, port: int, deadline: float, who: str) -> None:
+    """Bounded wait until the master's rendezvous port answers (it may start later, or its
+    name may not resolve yet), with a log line every ten attempts."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with socket.create_connection((addr, port), timeout=2):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{who}: the master {addr}:{port} did not answer in time ({exc})") from None
+            if attempt % 10 == 1:
+                log.info("%s: waiting for the master at %s:%d (%s)", who, addr, port, exc)
+            time.sleep(1.0)
+
+
+def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s: float = 600.0) -> Cluster:
+    """Join the world (address and rank from the environment, as torchrun sets them).
+
+    Rendezvous may wait up to ``join_timeout_s`` for every rank to arrive (ranks start in any
+    order); after that, every collective fails within ``timeout_s`` of a lost peer.
+    """
     rank = int(os.environ["RANK"]) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", roles.world_size))
     if world != roles.world_size:
@@ -71,9 +94,22 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None) -> Cluster:
             f"WORLD_SIZE is {world} but --trainers {roles.num_trainers} + --embedding-servers "
             f"{roles.num_servers} = {roles.world_size}"
         )
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    who = roles.describe(rank)
+    step_timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun already holds the store
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=step_timeout)
+    else:
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT", "29500"))
+        deadline = time.monotonic() + join_timeout_s
+        if rank != 0:
+            wait_for_master(addr, port, deadline, who)
+        log.info("%s: joining %d ranks at %s:%d (up to %.0fs)", who, world, addr, port, join_timeout_s)
+        store = dist.TCPStore(
+            addr, port, world, is_master=rank == 0, wait_for_workers=True,
+            timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
+        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=step_timeout)
     group = dist.new_group(list(range(roles.num_trainers))) if roles.num_trainers > 1 else None
-    log.debug("joined as %s", roles.describe(rank))
+    log.debug("joined as %s", who)
     return Cluster(roles, rank, group)

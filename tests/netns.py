@@ -30,11 +30,12 @@ def available() -> str | None:
 class Hosts:
     """``n`` namespaces h0..h(n-1) at 10.<net>.0.(i+1)/24 on a bridge in the root namespace."""
 
-    def __init__(self, n: int, net: int = 77) -> None:
+    def __init__(self, n: int, net: int = 77, hostnames: list[str] | None = None) -> None:
         tag = uuid.uuid4().hex[:4]
         self.bridge = f"dlbr{tag}"
         self.names = [f"dlrm{tag}h{i}" for i in range(n)]
         self.addrs = [f"10.{net}.0.{i + 1}" for i in range(n)]
+        self.hostnames = hostnames  # resolvable by name in every namespace (/etc/netns/<ns>/hosts)
         self.ifname = "eth0"
         self._veths: list[str] = []
 
@@ -51,11 +52,18 @@ class Hosts:
             _ip("-n", ns, "link", "set", self.ifname, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             self._veths.append(outer)
+        if self.hostnames:
+            table = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(self.addrs, self.hostnames, strict=True))
+            for ns in self.names:  # `ip netns exec` bind-mounts /etc/netns/<ns>/* over /etc/*
+                os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+                with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                    f.write(table)
         return self
 
     def __exit__(self, *exc) -> None:
         for ns in self.names:
             _ip("netns", "del", ns, check=False)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         for v in self._veths:
             _ip("link", "del", v, check=False)
         _ip("link", "del", self.bridge, check=False)
