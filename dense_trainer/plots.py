@@ -14,7 +14,7 @@ def plot_curves(history: list[dict], path: Path, title: str, bayes_auc: float | 
     """Plot ``history`` entries: ``{"samples", "train_loss"}`` and/or ``{"samples", "test_auc"}``."""
     loss = [(h["samples"], h["train_loss"]) for h in history if "train_loss" in h]
     auc = [(h["samples"], h["test_auc"]) for h in history if h.get("test_auc") is not None]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
     if loss:
         ax1.plot(*zip(*loss, strict=True), color="tab:blue")
     ax1.set_xlabel("samples seen")
@@ -29,6 +29,10 @@ def plot_curves(history: list[dict], path: Path, title: str, bayes_auc: float | 
     ax2.grid(alpha=0.3)
     if auc or bayes_auc is not None:
         ax2.legend(loc="lower right")
+    right = max([s for s, _ in loss] + [s for s, _ in auc] + [1])
+    ax1.set_xlim(0, right * 1.02)
+    for ax in (ax1, ax2):
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(3, 3))
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
