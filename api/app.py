@@ -53,32 +53,17 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await _error(413, f"body of {int(length)} bytes, at most {self.limit}", "body")(scope, receive, send)
         seen = 0
-        started = False
 
         async def limited_receive():
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
+                if seen > self.limit:  # FastAPI passes HTTP errors raised while reading the body
+                    raise StarletteHTTPException(413, f"body larger than {self.limit} bytes")
             return message
 
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await _error(413, f"body larger than {self.limit} bytes", "body")(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
+        await self.app(scope, limited_receive, send)
 
 
 class Observe:
@@ -192,7 +177,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        field = "body" if exc.status_code == 413 else None
+        return _error(exc.status_code, str(exc.detail), field, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(DlrmError)
     async def on_dlrm(request: Request, exc: DlrmError):

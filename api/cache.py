@@ -79,6 +79,10 @@ class RowCache:
             if capacity > 0:
                 self.tables[name] = TableCache(capacity, dim)
         self.lock = threading.Lock()
+        self.epochs: dict[str, int] = {}  # per table: bumped by every invalidation
+
+    def epoch(self, table: str) -> int:
+        return self.epochs.get(table, 0)
 
     def get(self, table: str, ids: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """Cached rows of ``ids`` (float [n, D], rows of misses undefined) and the hit mask."""
@@ -89,14 +93,18 @@ class RowCache:
             slots, hit = cache.lookup(ids)
             return cache.rows[np.maximum(slots, 0)], hit
 
-    def put(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+    def put(self, table: str, ids: np.ndarray, rows: np.ndarray, epoch: int) -> None:
+        """Cache rows read from the store when the table's epoch was ``epoch``; if rows were
+        invalidated since (a live update raced the read), the read may be stale: drop it."""
         cache = self.tables.get(table)
         if cache is not None and len(ids):
             with self.lock:
-                cache.insert(ids, rows)
+                if self.epochs.get(table, 0) == epoch:
+                    cache.insert(ids, rows)
 
     def invalidate(self, table: str, ids: np.ndarray) -> None:
         cache = self.tables.get(table)
         if cache is not None:
             with self.lock:
+                self.epochs[table] = self.epochs.get(table, 0) + 1
                 cache.invalidate(ids)

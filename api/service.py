@@ -133,6 +133,7 @@ class ModelService:
         self.score(model, *self.featurize_instances(model, [empty]))
         old = self.model
         self.model, self._cursor = model, cursor  # the swap: one reference
+        self.store.release(keep=version)
         if old is not None:
             self.metrics.model_version.remove(old.version)
         self.metrics.model_version.labels(version=version).set(1)
@@ -270,6 +271,8 @@ class ModelService:
                     cached.pop(table.name)
             else:
                 need[table.name] = uniq
+        cache = model.cache  # this request's cache, whatever a refresh swaps in meanwhile
+        epochs = {name: cache.epoch(name) for name in need} if cache is not None else {}
         n_unique = sum(len(u) for u in uniques.values())
         self.metrics.lookups.inc(n_unique)
         n_need = sum(len(v) for v in need.values())
@@ -293,8 +296,8 @@ class ModelService:
                     self.metrics.unknown_ids.inc(int(missing.sum()))
                     got[missing] = model.defaults[name]
                 rows[~hit] = got
-                if model.cache is not None and present.any():
-                    model.cache.put(name, need[name][present], got[present])
+                if cache is not None and present.any():
+                    cache.put(name, need[name][present], got[present], epochs[name])
             weight = torch.from_numpy(rows)  # [U, D_t]
             inv = torch.from_numpy(inverses[name])
             lo, hi = offsets[f * batch], offsets[(f + 1) * batch]

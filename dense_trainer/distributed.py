@@ -113,6 +113,7 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
                                  cfg.live.store, cfg.live.push_every_s)
         if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
             server.restore(ckpt)
+        dist.barrier(group=cluster.slow_group)  # every rank restored (however long that took)
         stats = server.serve()
         dist.gather_object(stats, None, dst=0)
         return None
@@ -191,13 +192,11 @@ def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, re
         if failed is None:
             failed = next(((r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, 130)), None)
         if failed is not None:
-            for p in procs:  # the others cannot go on without it
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(timeout=10)
+            for p in procs:  # the others cannot go on without it (servers ignore SIGTERM)
                 if p.is_alive():
                     p.kill()
+            for p in procs:
+                p.join(timeout=10)
             rank, code = failed
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
             raise DlrmError(f"{roles.describe(rank)} {how}; the other ranks were stopped")

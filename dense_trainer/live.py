@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from embedding_server.live import LivePusher
 from embedding_server.publish import publish_checkpoint
@@ -58,7 +59,7 @@ class LivePublisher:
         return sum(p.failures for p in (self.rows, self._dense) if p is not None)
 
     def _name(self) -> str:
-        return f"live-{time.strftime('%Y%m%d-%H%M%S')}-step{self.trainer.state.step}"
+        return f"live-{time.strftime('%Y%m%d-%H%M%S')}-step{self.trainer.state.step}-{uuid.uuid4().hex[:6]}"
 
     def start(self) -> str:
         """Publish the in-memory tables and dense weights as a new version; start pushing."""

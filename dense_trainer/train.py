@@ -254,9 +254,12 @@ class Trainer:
             "parse_seconds": s.parse_seconds,
             "torch_rng": torch.get_rng_state(),
         }
-        directory = partial_dir(self.checkpoint_dir, s.step)
+        # The master empties the partial directory before anyone writes into it (servers write
+        # only after the master's CHECKPOINT header), so no leftover of a crashed run joins it.
+        directory = partial_dir(self.checkpoint_dir, s.step, fresh=self.is_master)
         self.client.save(directory, s.step)  # the tables: here, or on every embedding server
         if not self.is_master:
+            self._wait_for_master()
             return self.checkpoint_dir / f"step-{s.step:010d}"
         save_file(directory, "dense.pt", self.model.state_dict())
         save_file(directory, "optimizer.pt", self.optimizer.state_dict())
@@ -264,8 +267,14 @@ class Trainer:
         meta = {**self._compat_meta(), "config": self.cfg.model_dump(mode="json"), "kernel": self.client.kernel,
                 "plan": getattr(getattr(self.client, "plan", None), "model_dump", lambda: None)()}
         path = finalize_checkpoint(self.checkpoint_dir, s.step, meta, keep=self.cfg.train.keep_checkpoints)
+        self._wait_for_master()
         log.info("checkpoint written: %s", path)
         return path
+
+    def _wait_for_master(self) -> None:
+        """With embedding servers: every rank meets (long timeout) once the master's long work is done."""
+        if self.cluster is not None:
+            dist.barrier(group=self.cluster.slow_group)
 
     def load_checkpoint(self, path: Path) -> None:
         manifest = read_manifest(path)
@@ -316,6 +325,7 @@ class Trainer:
                 log.warning("--resume: no checkpoint in %s; starting from the beginning", self.checkpoint_dir)
             else:
                 self.load_checkpoint(ckpt)
+        self._wait_for_master()  # servers restore their pieces meanwhile, however long it takes
 
         s = self.state
         if self.cfg.live.store and self.live is None:
@@ -411,10 +421,11 @@ class Trainer:
             return
         # Embedding servers: checkpoint, the master publishes it, then every server pushes its rows.
         checkpoint = self.save_checkpoint()
+        publish = None
         if self.is_master:
             self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)
-            self.live.start_from_checkpoint(checkpoint)
-        self.client.live_start()
+            publish = lambda: self.live.start_from_checkpoint(checkpoint)  # noqa: E731
+        self.client.live_start(publish)
 
     def _should_stop(self) -> bool:
         """A stop signal seen by any trainer stops them all at the same step."""

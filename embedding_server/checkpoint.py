@@ -69,11 +69,14 @@ def _save_file(path: Path, obj: Any) -> dict[str, Any]:
     return {"blake2b": file_digest(path), "bytes": path.stat().st_size}
 
 
-def partial_dir(root: Path, step: int) -> Path:
+def partial_dir(root: Path, step: int, fresh: bool = False) -> Path:
     """Where the files of checkpoint ``step`` are written before it is complete. Several
     processes (embedding servers, the master trainer) write into it; the name is deterministic so
-    that each finds it without being told."""
+    that each finds it without being told. The master starts it ``fresh`` (emptied) before the
+    others write: leftovers of a crashed run must not join the new checkpoint."""
     path = Path(root) / f".step-{step:010d}.partial"
+    if fresh and path.exists():
+        shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -54,6 +54,9 @@ class Cluster:
     roles: Roles
     rank: int
     trainer_group: object | None  # a ProcessGroup, or None for a single trainer
+    slow_group: object | None = None
+    """The world again, with the long join timeout: for the moments when every rank waits on one
+    rank's long work (restoring or finalising a large checkpoint, publishing the live version)."""
 
     @property
     def is_trainer(self) -> bool:
@@ -111,5 +114,6 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s
         )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=step_timeout)
     group = dist.new_group(list(range(roles.num_trainers))) if roles.num_trainers > 1 else None
+    slow = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=join_timeout_s))
     log.debug("joined as %s", who)
-    return Cluster(roles, rank, group)
+    return Cluster(roles, rank, group, slow)

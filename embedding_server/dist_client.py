@@ -155,9 +155,13 @@ class DistributedEmbeddingClient(EmbeddingClient):
     def restore(self, checkpoint: Path) -> None:
         """Servers restore their own pieces when they start (see ``EmbeddingServer.restore``)."""
 
-    def live_start(self) -> None:
-        """Every trainer calls this once the master has published the live version."""
+    def live_start(self, publish=None) -> str:
+        """Every trainer calls this: the master's ``publish()`` makes the live version, whose name
+        then goes to every rank (servers push their rows to it)."""
         self._headers(Command.LIVE_START, 0, [], 0)
+        holder = [publish() if publish is not None else None]
+        dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
+        return holder[0]
 
     def export_state(self) -> dict[str, torch.Tensor]:
         raise DlrmError("the tables live on the embedding servers; read them from a checkpoint")

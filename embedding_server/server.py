@@ -84,11 +84,14 @@ class EmbeddingServer:
                     self.live.close()
                 return {"server": self.index, "steps": self.steps, **self.timings}
             if command == Command.LIVE_START:
-                self.start_live()
+                holder = [None]  # the version the master publishes now (it may take minutes)
+                dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
+                self.start_live(holder[0])
                 continue
             if command == Command.CHECKPOINT:
                 self.save(int(h[0, 1]))
                 dist.barrier()
+                dist.barrier(group=self.cluster.slow_group)  # while the master finalises it
                 continue
             self.lookup(h, train=command == Command.LOOKUP_TRAIN)
 
@@ -137,14 +140,13 @@ class EmbeddingServer:
         else:
             self.timings["wait_s"] += time.perf_counter() - t2
 
-    def start_live(self) -> None:
-        """Push this server's changed rows to the version the master just published."""
+    def start_live(self, version: str) -> None:
+        """Push this server's changed rows to ``version``, which the master just published."""
         if self.shard is None or not self.live_store:
             return
         from embedding_server.stores import open_store
 
         store = open_store(self.live_store)
-        version = store.current_version()
         names = [p.table for p in self.pieces]
         self.live = LivePusher(
             store, version, [(p.table, p.row_start, p.rows) for p in self.pieces],

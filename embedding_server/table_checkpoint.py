@@ -71,28 +71,33 @@ class CheckpointTables:
         pieces = self.index.get(table)
         if not pieces:
             raise CheckpointError(f"checkpoint {self.path} has no table {table}")
+        table_dim = max(c0 + d for _, _, c0, d, _, _ in pieces)
         if dim is None:
-            dim = max(c0 + d for _, _, c0, d, _, _ in pieces) - col_start
+            dim = table_dim - col_start
         per_row = state in ROW_STATES
         out = torch.zeros((rows,) if per_row else (rows, dim))
-        weight = torch.zeros(rows)  # per-row states: how much of the row the pieces covered
-        covered = torch.zeros(rows, dtype=torch.bool) if per_row else torch.zeros(rows, dim, dtype=torch.bool)
+        weight = torch.zeros(rows)  # per-row states: the columns their pieces span
+        # Which pieces hold each cell: every column of the table for per-row states (a row's
+        # accumulator is the dim-weighted mean over all its column pieces), else the asked ones.
+        c_lo, c_hi = (0, table_dim) if per_row else (col_start, col_start + dim)
+        covered = torch.zeros((rows, c_hi - c_lo), dtype=torch.int16)
         for r0, prow, c0, pdim, tensors, i in pieces:
             a, b = max(r0, row_start), min(r0 + prow, row_start + rows)
-            ca, cb = max(c0, col_start), min(c0 + pdim, col_start + dim)
-            if a >= b or (not per_row and ca >= cb):
+            ca, cb = max(c0, c_lo), min(c0 + pdim, c_hi)
+            if a >= b or ca >= cb:
                 continue
             src = tensors.get(f"{table}.{state}@{i}")
             if src is None:
                 raise CheckpointError(f"checkpoint {self.path}: table {table} has no {state!r} state")
-            if per_row:  # dim-weighted mean over the column pieces of a row
+            if per_row:
                 out[a - row_start : b - row_start] += src[a - r0 : b - r0].float() * pdim
                 weight[a - row_start : b - row_start] += pdim
-                covered[a - row_start : b - row_start] = True
             else:
                 out[a - row_start : b - row_start, ca - col_start : cb - col_start] = src[a - r0 : b - r0, ca - c0 : cb - c0]
-                covered[a - row_start : b - row_start, ca - col_start : cb - col_start] = True
-        if not bool(covered.all()):
+            covered[a - row_start : b - row_start, ca - c_lo : cb - c_lo] += 1
+        if bool((covered > 1).any()):
+            raise CheckpointError(f"checkpoint {self.path}: table {table} has overlapping pieces (stale files?)")
+        if not bool((covered == 1).all()):
             raise CheckpointError(f"checkpoint {self.path}: table {table} rows {row_start}..{row_start + rows} are not all saved")
         if per_row:
             out /= weight

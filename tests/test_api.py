@@ -121,6 +121,9 @@ def test_other_bad_requests(file_store_url):
         assert r.status_code == 422 and r.json()["field"] == "body"
         r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD] * 100})
         assert r.status_code == 413 and r.json()["field"] == "body"
+        chunked = (json.dumps({"instances": [GOOD] * 100})[i : i + 1000].encode() for i in range(0, 200_000, 1000))
+        r = client.post("/v1/models/dlrm:predict", content=chunked, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["field"] == "body"  # no Content-Length: counted while read
         r = client.post("/v1/models/nope:predict", json={"instances": [GOOD]})
         assert r.status_code == 404 and r.json()["field"] == "name"
         r = client.post("/v1/models/dlrm:predict_tsv", content="1\t2\t3")
@@ -167,6 +170,18 @@ def test_api_key(file_store_url, tmp_path):
         r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"Authorization": "Bearer k3y-123"})
         assert r.status_code == 200
         assert client.get("/healthz").status_code == 200
+
+
+def test_stale_reads_are_not_cached_after_an_invalidation():
+    from api.cache import RowCache
+
+    cache = RowCache([("t", 100, 4)], 1 << 20)
+    epoch = cache.epoch("t")  # a request reads row 7 from the store...
+    cache.invalidate("t", np.array([7]))  # ...a live update rewrites it meanwhile...
+    cache.put("t", np.array([7]), np.ones((1, 4), np.float32), epoch)  # ...the stale read is dropped
+    assert not cache.get("t", np.array([7]))[1].any()
+    cache.put("t", np.array([7]), np.ones((1, 4), np.float32), cache.epoch("t"))
+    assert cache.get("t", np.array([7]))[1].all()
 
 
 def test_version_swaps_under_load_fail_no_request(tmp_path, trained_criteo):

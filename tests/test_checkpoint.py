@@ -82,6 +82,17 @@ def test_failed_write_leaves_previous_checkpoint_current(tmp_path, monkeypatch):
     assert torch.equal(load_file(good, "a.pt")["w"], torch.ones(2))
 
 
+def test_stale_partial_files_never_join_a_checkpoint(tmp_path):
+    from embedding_server.checkpoint import finalize_checkpoint, partial_dir, save_file
+
+    stale = partial_dir(tmp_path, 7)
+    (stale / "embeddings-server-2.pt").write_bytes(b"left by a crashed run with 3 servers")
+    fresh = partial_dir(tmp_path, 7, fresh=True)  # the master starts the checkpoint
+    save_file(fresh, "dense.pt", {"w": torch.ones(1)})
+    path = finalize_checkpoint(tmp_path, 7, {})
+    assert sorted(read_manifest(path)["files"]) == ["dense.pt"]
+
+
 def test_atomic_write_bytes(tmp_path):
     p = tmp_path / "x"
     atomic_write_bytes(p, b"one")

@@ -88,6 +88,15 @@ def test_crash_mid_publish_leaves_previous_version_serving(store, trained_criteo
     assert present.all()
 
 
+def test_a_version_name_is_never_reused(store, trained_criteo):
+    from embedding_server.errors import ConfigError
+
+    publish_checkpoint(trained_criteo, store, version="once")
+    with pytest.raises(ConfigError, match="already has a version 'once'"):
+        publish_checkpoint(trained_criteo, store, version="once")
+    assert store.current_version() == "once"
+
+
 def test_old_versions_are_collected(store, trained_criteo):
     for v in ["a", "b", "c"]:
         publish_checkpoint(trained_criteo, store, version=v)

@@ -129,5 +129,11 @@ class ServingStore(ABC):
             self.delete_version(v)
         return old
 
+    def release(self, keep: str) -> None:  # noqa: B027 (optional)
+        """Drop what is held open for versions other than ``keep`` (memory maps)."""
+
+    def exists(self, version: str) -> bool:
+        return version in self.list_versions()
+
     def close(self) -> None:  # noqa: B027 (optional)
         """Release connections."""

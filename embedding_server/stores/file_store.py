@@ -149,7 +149,14 @@ class FileStore(ServingStore):
 
     def begin(self, meta: ModelVersion) -> VersionWriter:
         check_version_name(meta.version)
+        if (self.versions_dir / meta.version).exists():
+            raise ConfigError(f"{self.url} already has a version {meta.version!r}: publish under a new name")
         return FileVersionWriter(self, meta)
+
+    def release(self, keep: str) -> None:
+        with self._lock:
+            for key in [k for k in self._maps if k[0] != keep]:
+                del self._maps[key]
 
     def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         meta = self.read_meta(version)

@@ -80,9 +80,9 @@ class RedisVersionWriter(VersionWriter):
         self._pipe = store.client.pipeline(transaction=False)
         self._bytes = 0
         v = meta.version
-        with store.errors():
-            store.client.sadd(store.key("incomplete"), v)
+        with store.errors():  # the lease first: a concurrent collector must not take it for dead
             store.client.set(store.key("writing", v), "1", ex=LEASE_S)
+            store.client.sadd(store.key("incomplete"), v)
 
     def _flush(self) -> None:
         with self.store.errors():
@@ -256,6 +256,10 @@ class RedisStore(ServingStore):
     # -- writing -------------------------------------------------------------------------------------
     def begin(self, meta: ModelVersion) -> VersionWriter:
         check_version_name(meta.version)
+        with self.errors():
+            taken = self.client.exists(self.key("v", meta.version, "meta")) or self.client.zscore(self.key("versions"), meta.version) is not None
+        if taken:
+            raise ConfigError(f"{self.url} already has a version {meta.version!r}: publish under a new name")
         return RedisVersionWriter(self, meta)
 
     # -- live updates --------------------------------------------------------------------------------
