@@ -28,7 +28,6 @@ import torch
 from dense_trainer.data.batch import Batch, Position
 from dense_trainer.data.criteo import BadLineLog, read_raw_blocks
 from embedding_server.criteo_format import BadLine, BlockParser, ParsedBlock
-from embedding_server.errors import DataError
 from embedding_server.features import FeatureSpec
 from embedding_server.sparse import SparseFeatures
 
@@ -275,9 +274,3 @@ class CriteoLoader:
         if self.pin_memory:
             batch = Batch(batch.dense.pin_memory(), batch.sparse.pin_memory(), batch.labels.pin_memory(), position)
         return batch
-
-
-def require_rows(loader_rows: int, files: list[Path], what: str) -> None:
-    if loader_rows == 0:
-        names = ", ".join(str(f) for f in files)
-        raise DataError(f"no valid rows in the {what} data ({names})")
