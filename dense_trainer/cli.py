@@ -85,8 +85,8 @@ def run_train(args: argparse.Namespace) -> int:
 
         if not cfg.dist.embedding_servers:
             raise ConfigError("--trainers > 1 needs --embedding-servers (the tables live on them)")
-        make_plan(cfg, args.train)  # refuse a model that cannot fit before starting anything
-        metrics = launch_local(cfg, args.train, args.test, args.out, args.resume)
+        plan = make_plan(cfg, args.train)  # refuse a model that cannot fit before starting anything
+        metrics = launch_local(cfg, args.train, args.test, args.out, args.resume, plan)
     else:
         metrics = Trainer(cfg, args.out).fit(args.train, args.test, resume=args.resume)
     print(format_metrics(metrics))
@@ -152,10 +152,10 @@ def run_plan(args: argparse.Namespace) -> int:
         from dense_trainer.data.criteo import check_files
 
         check_files([args.sample], "sample")
-    plan = make_plan(cfg, [args.sample] if args.sample else None)
     from dense_trainer.distributed import pooling_factors
 
-    factors = pooling_factors(cfg, [args.sample]) if args.sample else None
+    factors = pooling_factors(cfg, [args.sample]) if args.sample else None  # read the sample once
+    plan = make_plan(cfg, factors=factors)
     print(describe_plan(plan, cfg.feature_spec(), cfg.embedding.optimizer.kind, cfg.train.batch_size, factors))
     return 0
 

@@ -55,9 +55,11 @@ def pooling_factors(cfg: Config, files: list[Path]) -> list[float]:
     return [float(x) for x in batch.sparse.lengths().float().mean(dim=1)]
 
 
-def make_plan(cfg: Config, files: list[Path] | None) -> ShardingPlan:
+def make_plan(cfg: Config, files: list[Path] | None = None, factors: list[float] | None = None) -> ShardingPlan:
+    """The sharding plan; pooling factors measured on ``files`` unless given."""
     d = cfg.dist
-    factors = pooling_factors(cfg, files) if files else None
+    if factors is None and files:
+        factors = pooling_factors(cfg, files)
     memory = parse_bytes(d.server_memory) if d.server_memory else None
     plan = plan_sharding(cfg.feature_spec(), d.embedding_servers, cfg.embedding.optimizer.kind, d.sharding,
                          memory, factors)
@@ -80,8 +82,10 @@ def rank_threads(roles: Roles, rank: int) -> int:
     return max(1, cores // local_trainers)
 
 
-def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool) -> dict | None:
-    """One rank's whole life: join, plan, train or serve, leave. Returns metrics on the master."""
+def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool,
+               plan: ShardingPlan | None = None) -> dict | None:
+    """One rank's whole life: join, plan, train or serve, leave. Returns metrics on the master.
+    The master plans (or takes ``plan``, made by the local launcher) and broadcasts the plan."""
     roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
     cluster = join(roles, cfg.dist.timeout_s, rank, cfg.dist.join_timeout_s)
     # Who is who, for operators (and the fault tests): out/ranks/rank-<r>.json
@@ -93,7 +97,7 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
     # other and slow every rank down many times over.
     torch.set_num_threads(cfg.train.threads or rank_threads(roles, rank))
     try:
-        holder = [make_plan(cfg, train).model_dump_json() if rank == 0 else None]
+        holder = [(plan or make_plan(cfg, train)).model_dump_json() if rank == 0 else None]
         dist.broadcast_object_list(holder, src=0)
         plan = ShardingPlan.model_validate_json(holder[0])
         spec = cfg.feature_spec()
@@ -124,7 +128,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
             pass
 
 
-def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: int, result_path: str) -> None:
+def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: int, result_path: str,
+           plan_json: str) -> None:
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank))
     cfg = Config.model_validate_json(cfg_json)
     os.environ["WORLD_SIZE"] = str(cfg.dist.trainers + cfg.dist.embedding_servers)
@@ -132,7 +137,8 @@ def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: 
 
     setup_logging(quiet=rank != 0)  # the master speaks for the job
     try:
-        metrics = run_worker(rank, cfg, [Path(f) for f in train], [Path(f) for f in test], Path(out), resume)
+        metrics = run_worker(rank, cfg, [Path(f) for f in train], [Path(f) for f in test], Path(out), resume,
+                             ShardingPlan.model_validate_json(plan_json))
         if metrics is not None:
             Path(result_path).write_text(json.dumps({"ok": True}))
     except KeyboardInterrupt as exc:
@@ -155,8 +161,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool) -> dict:
-    """Run the whole cluster as local processes; return the master's metrics."""
+def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool,
+                 plan: ShardingPlan | None = None) -> dict:
+    """Run the whole cluster as local processes; return the master's metrics.
+
+    The plan is made here (before any process starts, so that a model that cannot fit is
+    refused at once) unless given.
+    """
+    plan = plan or make_plan(cfg, train)
     roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
     port = cfg.dist.master_port or free_port()
     out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +180,7 @@ def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, re
         p = ctx.Process(
             target=_child, name=roles.describe(rank),
             args=(rank, cfg.model_dump_json(), [str(f) for f in train], [str(f) for f in test], str(out), resume,
-                  cfg.dist.master_addr, port, str(result)),
+                  cfg.dist.master_addr, port, str(result), plan.model_dump_json()),
         )
         p.start()
         procs.append(p)

@@ -16,13 +16,11 @@ import time
 import uuid
 
 from embedding_server.live import LivePusher
-from embedding_server.publish import publish_checkpoint
+from embedding_server.publish import CHUNK_ROWS, publish_checkpoint
 from embedding_server.stores import ServingStore
 from embedding_server.wire import ModelVersion
 
 log = logging.getLogger(__name__)
-
-CHUNK_ROWS = 65536
 
 
 class LivePublisher:
