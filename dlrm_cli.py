@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dense_trainer.cli import (
         add_data_parser,
         add_plan_parser,
+        add_plan_towers_parser,
         add_train_parser,
         add_worker_parser,
     )
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_worker_parser(sub)
     add_plan_parser(sub)
+    add_plan_towers_parser(sub)
     add_data_parser(sub)
     add_publish_parser(sub)
     add_serve_parser(sub)

@@ -40,6 +40,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--sharding", choices=["auto", "table_wise", "row_wise", "column_wise"], help="table placement")
     g.add_argument("--server-memory", metavar="SIZE", help="memory per embedding server, e.g. 8GB")
     g.add_argument("--exchange-dtype", choices=["fp32", "fp16", "bf16"], help="pooled embeddings/gradients on the wire")
+    g.add_argument("--hosts", type=int, metavar="H", help="emulated hosts (0: one per machine)")
+    g.add_argument("--topology", metavar="FILE", help='topology file, JSON {"hosts": [[ranks], ...]}')
+    g.add_argument("--hierarchical", action="store_true", help="hierarchical (two-level) all-to-all")
+    g.add_argument("--towers", metavar="PLAN", help="tower plan file from `dlrm plan-towers` (DMT)")
+    g.add_argument("--tower-compress", type=int, metavar="C", help="outputs of every tower module (0: as planned)")
+    g.add_argument("--tower-dim", type=int, metavar="D", help="dim of the tower outputs (0: the embedding dim)")
     p.add_argument(
         "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override any config field, e.g. --set optim.lr=0.002 (repeatable)",
@@ -64,6 +70,12 @@ def config_from_args(args: argparse.Namespace):
         ("dist", "sharding"): getattr(args, "sharding", None),
         ("dist", "server_memory"): getattr(args, "server_memory", None),
         ("dist", "exchange_dtype"): getattr(args, "exchange_dtype", None),
+        ("dist", "hosts"): getattr(args, "hosts", None),
+        ("dist", "topology"): getattr(args, "topology", None),
+        ("dist", "hierarchical"): True if getattr(args, "hierarchical", False) else None,
+        ("dist", "towers"): getattr(args, "towers", None),
+        ("dist", "tower_compress"): getattr(args, "tower_compress", None),
+        ("dist", "tower_dim"): getattr(args, "tower_dim", None),
     }
     for (section, key), value in flags.items():
         if value is not None:
@@ -76,6 +88,8 @@ def run_train(args: argparse.Namespace) -> int:
     from dense_trainer.train import Trainer, prepare_out_dir  # deferred: `dlrm --help` stays fast
 
     cfg = config_from_args(args)
+    if cfg.dist.towers and not cfg.dist.embedding_servers:
+        raise ConfigError("--towers needs --embedding-servers: the tower modules run on them (one server per tower at least)")
     # Cheap checks before the tables are allocated.
     check_files(args.train, "training")
     check_files(args.test, "test")
@@ -157,6 +171,65 @@ def run_plan(args: argparse.Namespace) -> int:
     factors = pooling_factors(cfg, [args.sample]) if args.sample else None  # read the sample once
     plan = make_plan(cfg, factors=factors)
     print(describe_plan(plan, cfg.feature_spec(), cfg.embedding.optimizer.kind, cfg.train.batch_size, factors))
+    return 0
+
+
+def add_plan_towers_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan-towers",
+        help="group the features into towers (DMT) and write a plan for `dlrm train --towers`",
+        description="Group the sparse features into K towers: strongly interacting features share a "
+        "tower (strength from a short warm-up of the flat model on --train), towers balanced by "
+        "table memory and lookups. Prints the towers, their balance and the share of interaction "
+        "kept inside towers; writes --out. --method random / contiguous make ablation baselines; "
+        "a hand-written plan file is accepted by `dlrm train --towers` as it is.",
+    )
+    p.add_argument("--towers", "-k", type=int, required=True, metavar="K", help="number of towers")
+    p.add_argument("--out", type=Path, required=True, metavar="PLAN", help="plan file to write (JSON)")
+    p.add_argument("--train", nargs="+", type=Path, metavar="FILE", help="data for the warm-up (needed by --method interaction)")
+    p.add_argument("--method", choices=["interaction", "random", "contiguous"], default="interaction")
+    p.add_argument("--compress", type=int, metavar="C", help="outputs c_t of every tower module (default: no compression)")
+    p.add_argument("--warmup-rows", type=int, default=50_000, metavar="N", help="rows of the warm-up (default 50000)")
+    p.add_argument("--slack", type=float, default=0.15, help="allowed cost above the mean tower (default 0.15)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", type=Path, metavar="TOML")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    p.set_defaults(func=run_plan_towers)
+
+
+def run_plan_towers(args: argparse.Namespace) -> int:
+    from dense_trainer.tower_planning import feature_costs, interaction_strength
+    from embedding_server import towers
+
+    cfg = load_config(args.config, [parse_override(s) for s in args.set])
+    spec = cfg.feature_spec()
+    names = [t.name for t in spec.tables]
+    if not 1 <= args.towers <= len(names):
+        raise ConfigError(f"--towers {args.towers}: must be between 1 and the {len(names)} features")
+    if args.compress is not None and args.compress < 1:
+        raise ConfigError("--compress must be at least 1")
+    factors = None
+    strength = None
+    if args.train:
+        from dense_trainer.data.criteo import check_files
+        from dense_trainer.distributed import pooling_factors
+
+        check_files(args.train, "training")
+        factors = pooling_factors(cfg, args.train)
+        strength = interaction_strength(cfg, args.train, args.warmup_rows)
+    elif args.method == "interaction":
+        raise ConfigError("--method interaction needs --train (the warm-up measures the interactions)")
+    costs = feature_costs(cfg, factors)
+    if args.method == "interaction":
+        groups = towers.interaction_towers(strength, costs, args.towers, args.slack, args.seed)
+    elif args.method == "random":
+        groups = towers.random_towers(costs, args.towers, args.seed)
+    else:
+        groups = towers.contiguous_towers(names, args.towers)
+    plan = towers.make_plan(names, groups, args.method, args.compress, strength)
+    plan.save(args.out)
+    print(towers.describe_towers(plan, spec, costs, strength))
+    print(f"\nwrote {args.out}; train with: dlrm train --towers {args.out} --embedding-servers {args.towers} ...")
     return 0
 
 

@@ -153,6 +153,22 @@ class DistConfig(_Section):
     """How long ranks wait for each other at start-up (they may start in any order)."""
     exchange_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
     """Type of pooled embeddings and gradients on the wire (fp16/bf16 halve the bytes)."""
+    hosts: int = Field(default=0, ge=0)
+    """Emulated hosts: trainers and servers each split in this many contiguous blocks, one per
+    host (0: one host per machine, by DLRM_HOST or the hostname)."""
+    topology: str | None = None
+    """Topology file, JSON {"hosts": [[ranks of host 0], ...]}; overrides ``hosts``."""
+    hierarchical: bool = False
+    """Route the trainer/server all-to-all through host-mates (intra-host, then one message per
+    peer pair across hosts); needs as many ranks on every host."""
+    towers: str | None = None
+    """Tower plan file (``dlrm plan-towers``): features grouped into towers whose tower modules
+    run on the embedding servers and compress the embeddings before they leave (DMT)."""
+    tower_compress: int = Field(default=0, ge=0)
+    """Outputs c_t of every tower module, capped at the tower's features (0: as in the plan file)."""
+    tower_dim: int = Field(default=0, ge=0)
+    """Dim D' of the tower modules' output vectors, a learned projection of the tables' D; it
+    compresses without merging features (0: D, no projection)."""
     master_addr: str = "127.0.0.1"
     """Rendezvous address (local launch; torchrun sets MASTER_ADDR itself)."""
     master_port: int = Field(default=0, ge=0, le=65535)

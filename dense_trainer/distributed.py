@@ -38,6 +38,8 @@ from embedding_server.dist_client import DistributedEmbeddingClient
 from embedding_server.errors import ConfigError, DlrmError
 from embedding_server.planner import ShardingPlan, parse_bytes, plan_sharding
 from embedding_server.server import EmbeddingServer
+from embedding_server.tower_layout import TowerLayout
+from embedding_server.towers import TowerPlan
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +57,30 @@ def pooling_factors(cfg: Config, files: list[Path]) -> list[float]:
     return [float(x) for x in batch.sparse.lengths().float().mean(dim=1)]
 
 
+def tower_layout(cfg: Config, topology=None) -> TowerLayout | None:
+    """The towers of ``dist.towers`` placed on this job's servers (None without towers)."""
+    d = cfg.dist
+    if not d.towers:
+        return None
+    plan = TowerPlan.load(d.towers)
+    if d.tower_compress:
+        plan = plan.with_compress(d.tower_compress)
+    if cfg.model.kind != "dlrm":
+        raise ConfigError("--towers needs model.kind = dlrm (tower modules feed its interaction)")
+    if cfg.live.store:
+        raise ConfigError("--towers with live updates: serving does not run tower modules yet; publish a flat model")
+    return TowerLayout(plan, cfg.feature_spec(), d.embedding_servers, d.trainers, topology, d.tower_dim)
+
+
 def make_plan(cfg: Config, files: list[Path] | None = None, factors: list[float] | None = None) -> ShardingPlan:
-    """The sharding plan; pooling factors measured on ``files`` unless given."""
+    """The sharding plan (per tower with towers); pooling factors measured on ``files`` unless given."""
     d = cfg.dist
     if factors is None and files:
         factors = pooling_factors(cfg, files)
     memory = parse_bytes(d.server_memory) if d.server_memory else None
+    layout = tower_layout(cfg)
+    if layout is not None:
+        return layout.sharding(cfg.embedding.optimizer.kind, d.sharding, memory, factors)
     plan = plan_sharding(cfg.feature_spec(), d.embedding_servers, cfg.embedding.optimizer.kind, d.sharding,
                          memory, factors)
     if cfg.live.store and any(p.kind == "column_wise" for p in plan.pieces):
@@ -87,7 +107,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
     """One rank's whole life: join, plan, train or serve, leave. Returns metrics on the master.
     The master plans (or takes ``plan``, made by the local launcher) and broadcasts the plan."""
     roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
-    cluster = join(roles, cfg.dist.timeout_s, rank, cfg.dist.join_timeout_s)
+    d = cfg.dist
+    cluster = join(roles, d.timeout_s, rank, d.join_timeout_s, d.hosts, d.topology, d.hierarchical)
     # Who is who, for operators (and the fault tests): out/ranks/rank-<r>.json
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank-{rank}.json").write_text(
@@ -101,11 +122,17 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         dist.broadcast_object_list(holder, src=0)
         plan = ShardingPlan.model_validate_json(holder[0])
         spec = cfg.feature_spec()
+        layout = tower_layout(cfg, cluster.topology)
+        # Every rank makes every tower's group (a collective), in tower order.
+        groups = None
+        if layout is not None:
+            groups = [dist.new_group([roles.server_rank(s) for s in servers]) if len(servers) > 1 else None
+                      for servers in layout.servers_of]
         if cluster.is_trainer:
             from dense_trainer.train import Trainer
 
             client = DistributedEmbeddingClient(cluster, plan, spec, grad_scale=1.0 / roles.num_trainers,
-                                                exchange_dtype=cfg.dist.exchange_dtype)
+                                                exchange_dtype=cfg.dist.exchange_dtype, layout=layout)
             metrics = Trainer(cfg, out, client=client, cluster=cluster).fit(train, test, resume=resume)
             return metrics if cluster.is_master else None
         # An embedding server outlives signals: it stops when the trainers say so (after their
@@ -114,7 +141,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server = EmbeddingServer(cluster, plan, spec, cfg.embedding.optimizer, cfg.train.seed,
                                  cfg.embedding.init_scale or None, out / "checkpoints", cfg.dist.exchange_dtype,
-                                 cfg.live.store, cfg.live.push_every_s)
+                                 cfg.live.store, cfg.live.push_every_s, layout, groups,
+                                 cfg.optim.model_dump(include={"kind", "lr", "eps", "weight_decay"}))
         if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
             server.restore(ckpt)
         dist.barrier(group=cluster.slow_group)  # every rank restored (however long that took)

@@ -153,11 +153,15 @@ class DLRMDense(nn.Module):
 
     Args:
         num_dense: I, dense features.
-        table_dims: D_t of each sparse feature, in order.
+        table_dims: D_t of each sparse feature (or tower output), in order.
         cfg: layer sizes and interaction.
+        append_embeddings: the over arch also sees the embedded vectors themselves (dot
+            interaction only): with compressed towers, their outputs carry each tower's own
+            interactions linearly, which dot products alone would blur.
     """
 
-    def __init__(self, num_dense: int, table_dims: list[int], cfg: ModelConfig, embedding_dim: int) -> None:
+    def __init__(self, num_dense: int, table_dims: list[int], cfg: ModelConfig, embedding_dim: int,
+                 append_embeddings: bool = False) -> None:
         super().__init__()
         self.table_dims = list(table_dims)
         d = embedding_dim
@@ -169,9 +173,10 @@ class DLRMDense(nn.Module):
             if self.mixed_dims and cfg.interaction == "dot"
             else None
         )
+        self.append_embeddings = append_embeddings and cfg.interaction == "dot"
         if cfg.interaction == "dot":
             self.inter_arch: nn.Module = InteractionArch(len(table_dims))
-            over_in = d + self.inter_arch.num_pairs
+            over_in = d + self.inter_arch.num_pairs + (sum(table_dims) if self.append_embeddings else 0)
         else:
             over_in = d + sum(table_dims)
             self.inter_arch = InteractionDCNArch(over_in, cfg.dcn_num_layers, cfg.dcn_low_rank)
@@ -190,6 +195,8 @@ class DLRMDense(nn.Module):
                 parts = torch.split(embedded, self.table_dims, dim=1)
                 sparse = torch.stack([p(e) for p, e in zip(self.project, parts, strict=True)], 1)
             z = self.inter_arch(x, sparse)  # [B, D + N(N-1)/2]
+            if self.append_embeddings:
+                z = torch.cat([z, embedded], dim=1)  # [B, D + N(N-1)/2 + sum(D_t)]
         return self.over_arch(z).squeeze(1)
 
 
@@ -210,8 +217,8 @@ class LogisticRegression(nn.Module):
 
 
 def build_dense_model(
-    cfg: ModelConfig, num_dense: int, table_dims: list[int], embedding_dim: int
+    cfg: ModelConfig, num_dense: int, table_dims: list[int], embedding_dim: int, append_embeddings: bool = False
 ) -> nn.Module:
     if cfg.kind == "lr":
         return LogisticRegression(num_dense, len(table_dims))
-    return DLRMDense(num_dense, table_dims, cfg, embedding_dim)
+    return DLRMDense(num_dense, table_dims, cfg, embedding_dim, append_embeddings)

@@ -137,8 +137,10 @@ class Trainer:
         )
         self.sparse_arch = SparseArch(self.client)
         # 3. dense model
-        dims = [t.dim for t in self.spec.tables]
-        self.model = build_dense_model(cfg.model, len(self.spec.dense), dims, cfg.embedding.dim)
+        dims = self.client.output_dims()  # per table, or per tower output
+        towers = getattr(self.client, "layout", None)
+        self.model = build_dense_model(cfg.model, len(self.spec.dense), dims, towers.out_dim if towers else cfg.embedding.dim,
+                                       append_embeddings=towers is not None and towers.compressed)
         self.model.to(self.device)
         self.net = self.model  # what forward runs: the model, or DDP around it
         if self.trainers > 1:
@@ -238,6 +240,8 @@ class Trainer:
             "embedding_dim": self.cfg.embedding.dim,
             "sparse_optimizer": self.cfg.embedding.optimizer.kind,
             "dense_optimizer": self.cfg.optim.kind,
+            "towers": {"towers": [t.model_dump() for t in layout.plan.towers], "out_dim": layout.out_dim}
+            if (layout := getattr(self.client, "layout", None)) else None,
         }
 
     def save_checkpoint(self) -> Path:
@@ -441,7 +445,8 @@ class Trainer:
         if self.cluster is None:
             return None
         self.client.close()
-        mine = {"rank": self.rank, "timings": dict(self.timings), "client": dict(getattr(self.client, "stats", {}))}
+        mine = {"rank": self.rank, "timings": dict(self.timings), "client": dict(getattr(self.client, "stats", {})),
+                "exchange": dict(self.cluster.exchange.stats) if self.cluster.exchange else {}}
         gathered: list | None = [None] * self.cluster.roles.world_size if self.is_master else None
         dist.gather_object(mine, gathered, dst=0)
         return {"ranks": gathered} if self.is_master else None
@@ -518,21 +523,28 @@ def _cluster_metrics(stats: dict, spec: FeatureSpec, state: TrainState, trainers
     out_bytes = sum(r["client"]["bytes_out"] for r in trainer_stats)
     in_bytes = sum(r["client"]["bytes_in"] for r in trainer_stats)
     width = sum(t.dim for t in spec.tables)
-    minimum = {"ids": 8 * len(spec.tables), "pooled": 4 * width, "gradients": 4 * width}
+    minimum = {"ids": 4 * len(spec.tables), "pooled": 4 * width, "gradients": 4 * width}
     steps = max(state.step, 1)
     comm_ms = 1e3 * sum(r["client"]["comm_s"] for r in trainer_stats) / len(trainer_stats) / steps
+    cross = sum(r.get("exchange", {}).get("cross_host_bytes", 0) for r in trainer_stats)
+    cross += sum(r.get("cross_host_bytes", 0) for r in servers)
+    messages = sum(r.get("exchange", {}).get("cross_host_messages", 0) for r in trainer_stats)
+    messages += sum(r.get("cross_host_messages", 0) for r in servers)
     return {
+        "cross_host_bytes_per_sample": cross / samples,
+        "cross_host_messages_per_step": messages / steps,
         "alltoall_bytes_per_sample": {
             "trainers_to_servers": out_bytes / samples,
             "servers_to_trainers": in_bytes / samples,
             "analytical_minimum": minimum,
             "note": "trainers_to_servers counts ids, bag lengths, headers and gradients (training "
-                    "and evaluation lookups); the minimum is one int64 id per feature and the "
+                    "and evaluation lookups); the minimum is one int32 id per feature and the "
                     "fp32 pooled vectors and their gradients",
         },
         "server_time_ms_per_step": {
             "lookup": 1e3 * max(r["lookup_s"] for r in servers) / steps if servers else 0.0,
             "update": 1e3 * max(r["update_s"] for r in servers) / steps if servers else 0.0,
+            "tower_module": 1e3 * max(r.get("tower_s", 0.0) for r in servers) / steps if servers else 0.0,
         },
         "communication_ms_per_step": comm_ms,
     }

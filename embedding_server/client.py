@@ -51,6 +51,11 @@ class EmbeddingClient(ABC):
     def restore(self, checkpoint: Path) -> None:
         """Load the tables from a checkpoint written with any sharding."""
 
+    def output_dims(self) -> list[int]:
+        """Dims of the vectors :meth:`lookup` returns side by side: one per table, or, with
+        tower modules on the servers, one per tower output."""
+        return [t.dim for t in self.tables]
+
     @property
     def kernel(self) -> str:
         """Name of the embedding kernel in use (``fbgemm`` or ``torch``)."""

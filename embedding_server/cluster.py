@@ -3,8 +3,10 @@
     ranks 0 .. T-1        trainers (dense arches; rank 0 is the master: logs, metrics, checkpoints)
     ranks T .. T+E-1      embedding servers (table pieces in host memory, fused optimizers)
 
-Gloo carries everything on CPU. Two process groups: the world (the all-to-alls between trainers
-and servers) and the trainers alone (DDP's gradient all-reduce, evaluation gathers).
+Gloo carries everything on CPU. Process groups: the world (the all-to-alls between trainers
+and servers, routed flat or hierarchically by ``exchange.py`` over the hosts of ``topology.py``),
+the trainers alone (DDP's gradient all-reduce, evaluation gathers), and, for the hierarchical
+route, each host's ranks and each set of peers (same local index on every host).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from embedding_server.errors import ConfigError
+from embedding_server.exchange import Exchange, make_groups
+from embedding_server.topology import Topology, host_label
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,10 @@ class Cluster:
     slow_group: object | None = None
     """The world again, with the long join timeout: for the moments when every rank waits on one
     rank's long work (restoring or finalising a large checkpoint, publishing the live version)."""
+    topology: Topology | None = None
+    """Host of every rank."""
+    exchange: Exchange | None = None
+    """The world all-to-all (flat or hierarchical) that trainers and servers talk over."""
 
     @property
     def is_trainer(self) -> bool:
@@ -84,11 +92,14 @@ def wait_for_master(addr: str, port: int, deadline: float, who: str) -> None:
             time.sleep(1.0)
 
 
-def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s: float = 600.0) -> Cluster:
+def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s: float = 600.0,
+         hosts: int = 0, topology_file: str | None = None, hierarchical: bool = False) -> Cluster:
     """Join the world (address and rank from the environment, as torchrun sets them).
 
     Rendezvous may wait up to ``join_timeout_s`` for every rank to arrive (ranks start in any
-    order); after that, every collective fails within ``timeout_s`` of a lost peer.
+    order); after that, every collective fails within ``timeout_s`` of a lost peer. The host map
+    comes from ``topology_file``, else ``hosts`` emulated hosts, else the machines' own names
+    (see ``topology.py``); ``hierarchical`` routes the world all-to-all through host-mates.
     """
     rank = int(os.environ["RANK"]) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", roles.world_size))
@@ -115,5 +126,19 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=step_timeout)
     group = dist.new_group(list(range(roles.num_trainers))) if roles.num_trainers > 1 else None
     slow = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=join_timeout_s))
+    if topology_file:
+        topology = Topology.load(topology_file, world)
+    elif hosts:
+        topology = Topology.even(roles.num_trainers, roles.num_servers, hosts)
+    else:
+        labels: list = [None] * world
+        dist.all_gather_object(labels, host_label())
+        topology = Topology.from_labels(labels)
+    if hierarchical and not topology.uniform:
+        raise ConfigError(f"--hierarchical needs as many ranks on every host ({topology.describe()})")
+    intra, peers = make_groups(topology, hierarchical)
+    exchange = Exchange(topology, rank, hierarchical and intra is not None, intra, peers)
+    if rank == 0:
+        log.info("topology: %s%s", topology.describe(), "; hierarchical all-to-all" if exchange.hierarchical else "")
     log.debug("joined as %s", who)
-    return Cluster(roles, rank, group, slow)
+    return Cluster(roles, rank, group, slow, topology, exchange)

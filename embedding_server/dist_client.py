@@ -5,6 +5,9 @@ pieces (one ``sharding/`` module per placement), sends every server its ids in o
 (after a header round that says what to do and how much follows), and assembles the pooled
 embeddings that come back in a second all-to-all. Backward splits the gradient the same way and
 sends it back in a third; the servers' fused optimizers do the rest.
+
+With towers (``tower_layout.py``) the ids go out the same way, but what comes back from tower
+t's server is its tower module's output [B, c_t * D], in tower order: [B, C * D] in all.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from embedding_server.features import FeatureSpec
 from embedding_server.planner import ShardingPlan
 from embedding_server.sharding import SCHEMES
 from embedding_server.sparse import SparseFeatures
-from embedding_server.wire import EXCHANGE_DTYPES, HEADER, Command, pack_ids
+from embedding_server.tower_layout import TowerLayout
+from embedding_server.wire import EXCHANGE_DTYPES, HEADER, Command, ids_dtype, pack_ids
 
 
 class _DistributedLookup(torch.autograd.Function):
@@ -45,10 +49,11 @@ class DistributedEmbeddingClient(EmbeddingClient):
         grad_scale: factor on the gradients sent back (1 / trainers: each trainer's loss is
             scaled for DDP's averaging, the servers sum over trainers).
         exchange_dtype: fp32, or fp16/bf16 to halve the bytes of pooled embeddings and gradients.
+        layout: the towers, when the servers run tower modules (None: the flat model).
     """
 
     def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, grad_scale: float = 1.0,
-                 exchange_dtype: str = "fp32") -> None:
+                 exchange_dtype: str = "fp32", layout: TowerLayout | None = None) -> None:
         self.cluster = cluster
         self.roles = cluster.roles
         self.plan = plan
@@ -59,6 +64,14 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self.server_pieces = [plan.pieces_on(s) for s in range(self.roles.num_servers)]
         self.widths = [sum(p.dim for p in pieces) for pieces in self.server_pieces]
         self.table_pieces = [plan.pieces_of(t.name) for t in spec.tables]
+        self.exchange = cluster.exchange
+        self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))
+        self.layout = layout
+        # Floats per example each server sends back to this trainer.
+        self.recv_widths = self.widths
+        if layout is not None:
+            mine = {layout.assigned(t, cluster.rank): t for t in range(layout.num_towers)}
+            self.recv_widths = [layout.width(mine[s]) if s in mine else 0 for s in range(self.roles.num_servers)]
         self._placeholder = torch.zeros(0, requires_grad=True)
         self.stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0}
 
@@ -74,7 +87,8 @@ class DistributedEmbeddingClient(EmbeddingClient):
         for s in range(self.roles.num_servers):
             out[self.roles.server_rank(s)] = torch.tensor([int(command), arg, payloads[s] if payloads else 0, batch])
         t0 = time.perf_counter()
-        dist.all_to_all_single(torch.empty(world * HEADER, dtype=torch.int64), out.view(-1))
+        self.exchange.all_to_all(torch.empty(world * HEADER, dtype=torch.int64), out.view(-1), [HEADER] * world,
+                                 [HEADER] * world)
         self.stats["comm_s"] += time.perf_counter() - t0
         self.stats["bytes_out"] += out.numel() * 8
 
@@ -93,19 +107,23 @@ class DistributedEmbeddingClient(EmbeddingClient):
         for s in range(self.roles.num_servers):  # in each server's own piece order
             order = {id(p): i for i, p in enumerate(self.server_pieces[s])}
             parts = sorted(per_server[s], key=lambda item: order[id(item[0])])
-            payloads.append(pack_ids([part for _, part in parts]))
+            payloads.append(pack_ids([part for _, part in parts], self.id_dtype))
         self._headers(command, 0, [p.numel() for p in payloads], b)
-        send = torch.cat(payloads) if payloads else torch.zeros(0, dtype=torch.int64)
+        send = torch.cat(payloads) if payloads else torch.zeros(0, dtype=self.id_dtype)
         in_splits = [0] * self.roles.num_trainers + [p.numel() for p in payloads]
-        out_splits = [0] * self.roles.num_trainers + [b * w for w in self.widths]
+        out_splits = [0] * self.roles.num_trainers + [b * w for w in self.recv_widths]
         received = torch.empty(sum(out_splits), dtype=self.wire_dtype)
         t0 = time.perf_counter()
-        dist.all_to_all_single(torch.empty(0, dtype=torch.int64), send, [0] * world, in_splits)
-        dist.all_to_all_single(received, torch.empty(0, dtype=self.wire_dtype), out_splits, [0] * world)
+        self.exchange.all_to_all(torch.empty(0, dtype=self.id_dtype), send, [0] * world, in_splits)
+        self.exchange.all_to_all(received, torch.empty(0, dtype=self.wire_dtype), out_splits, [0] * world)
         self.stats["comm_s"] += time.perf_counter() - t0
-        self.stats["bytes_out"] += send.numel() * 8
+        self.stats["bytes_out"] += send.numel() * send.element_size()
         self.stats["bytes_in"] += received.numel() * received.element_size()
         self.stats["lookups"] += 1
+        if self.layout is not None:  # per tower (= per server, in order) [B, c_t * D] -> [B, C * D]
+            blocks = torch.split(received.float(), [b * w for w in self.recv_widths])
+            out = torch.cat([blk.view(b, w) for blk, w in zip(blocks, self.recv_widths, strict=True) if w], dim=1)
+            return out, (b, bag_lengths)
         # Per server [B, width] -> per piece [B, d_p] -> per table [B, D_t] -> [B, sum D_t]
         blocks = torch.split(received.float(), [b * w for w in self.widths])
         piece_out = {}
@@ -122,6 +140,10 @@ class DistributedEmbeddingClient(EmbeddingClient):
     def _backward(self, grad: torch.Tensor, routing) -> None:
         b, bag_lengths = routing
         grad = grad * self.grad_scale
+        if self.layout is not None:  # [B, C * D'] -> per tower, to the server running its module
+            blocks = torch.split(grad, [w for w in self.recv_widths if w], dim=1)
+            self._send_grads([blk.reshape(-1) for blk in blocks], [b * w for w in self.recv_widths])
+            return
         per_piece = {}
         col = 0
         for f, table in enumerate(self.tables):
@@ -132,15 +154,24 @@ class DistributedEmbeddingClient(EmbeddingClient):
                 per_piece[id(p)] = gp
         parts = [torch.cat([per_piece[id(p)] for p in pieces], dim=1) if pieces else torch.zeros(b, 0)
                  for pieces in self.server_pieces]
-        send = torch.cat([p.reshape(-1) for p in parts]).to(self.wire_dtype)
+        self._send_grads([p.reshape(-1) for p in parts], [b * w for w in self.widths])
+
+    def _send_grads(self, parts: list[torch.Tensor], per_server: list[int]) -> None:
+        """Flat gradient blocks, one per server in order, in the exchange dtype."""
+        send = torch.cat(parts).to(self.wire_dtype)
         world = self.roles.world_size
-        in_splits = [0] * self.roles.num_trainers + [b * w for w in self.widths]
         t0 = time.perf_counter()
-        dist.all_to_all_single(torch.empty(0, dtype=self.wire_dtype), send, [0] * world, in_splits)
+        self.exchange.all_to_all(torch.empty(0, dtype=self.wire_dtype), send, [0] * world,
+                                 [0] * self.roles.num_trainers + per_server)
         self.stats["comm_s"] += time.perf_counter() - t0
         self.stats["bytes_out"] += send.numel() * send.element_size()
 
     # -- the EmbeddingClient interface ------------------------------------------------------------
+
+    def output_dims(self) -> list[int]:
+        if self.layout is None:
+            return super().output_dims()
+        return [self.layout.out_dim] * self.layout.num_outputs
 
     def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
         if torch.is_grad_enabled():

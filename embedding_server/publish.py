@@ -54,6 +54,9 @@ def publish_checkpoint(
     path = resolve_checkpoint(checkpoint)
     manifest = read_manifest(path)
     meta = manifest["meta"]
+    if meta.get("towers"):
+        raise CheckpointError(f"checkpoint {checkpoint} is a tower model (--towers): serving does not run "
+                              "tower modules yet; train and publish a flat model")
     spec = FeatureSpec.model_validate(meta["feature_spec"])
     cfg = meta.get("config", {})
     seed = cfg.get("train", {}).get("seed", 0)

@@ -90,7 +90,8 @@ def decode_ids(blob: bytes) -> np.ndarray:
 #   1. headers   int64 [HEADER] from every rank to every rank: [command, arg, payload, batch]
 #                (trainer -> server: what to do and how many int64s of ids follow; all other
 #                pairs send zeros)
-#   2. ids       int64, trainer -> server: per piece on that server, lengths [B_t] then values
+#   2. ids       int32 (int64 for pieces of 2^31 rows or more), trainer -> server: per piece on
+#                that server, a one-hot flag, then values (one-hot) or lengths [B_t] and values
 #   3. pooled    float, server -> trainer: [B_t, sum of the server's piece dims], row-major
 #   4. grads     float, trainer -> server: the same layout as 3 (training only)
 #
@@ -115,19 +116,41 @@ EXCHANGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.b
 """Pooled embeddings and their gradients may cross the wire compressed."""
 
 
-def pack_ids(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Per piece (values [n], lengths [B]) -> one int64 payload: lengths_0, values_0, lengths_1, ..."""
-    flat = [t for values, lengths in parts for t in (lengths.to(torch.int64), values.to(torch.int64))]
-    return torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64)
+def ids_dtype(max_rows: int) -> torch.dtype:
+    """int32 ids on the wire when every piece's local rows fit (they nearly always do), else int64."""
+    return torch.int32 if max_rows < 2**31 else torch.int64
+
+
+def pack_ids(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Per piece (values [n], lengths [B]) -> one payload of ``dtype``: per piece a flag, then
+
+        flag 1: values [B]               every bag holds exactly one id (one-hot features:
+                                         the lengths are implied, half the bytes)
+        flag 0: lengths [B], values [n]  otherwise
+    """
+    flat = []
+    for values, lengths in parts:
+        one_hot = values.numel() == lengths.numel() and bool((lengths == 1).all())
+        flat.append(torch.tensor([1 if one_hot else 0], dtype=dtype))
+        if not one_hot:
+            flat.append(lengths.to(dtype))
+        flat.append(values.to(dtype))
+    return torch.cat(flat) if flat else torch.zeros(0, dtype=dtype)
 
 
 def unpack_ids(payload: torch.Tensor, batch: int, num_pieces: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Inverse of :func:`pack_ids`: -> per piece (values, lengths)."""
+    """Inverse of :func:`pack_ids`: -> per piece (values int64, lengths int64)."""
     out, pos = [], 0
     for _ in range(num_pieces):
-        lengths = payload[pos : pos + batch]
-        pos += batch
-        n = int(lengths.sum())
-        out.append((payload[pos : pos + n], lengths))
+        one_hot = bool(payload[pos] == 1)
+        pos += 1
+        if one_hot:
+            lengths = torch.ones(batch, dtype=torch.int64)
+            n = batch
+        else:
+            lengths = payload[pos : pos + batch].to(torch.int64)
+            pos += batch
+            n = int(lengths.sum())
+        out.append((payload[pos : pos + n].to(torch.int64), lengths))
         pos += n
     return out

@@ -93,5 +93,8 @@ def test_id_payload_round_trip():
     parts = [(torch.tensor([5, 6, 7]), torch.tensor([2, 1])), (torch.tensor([], dtype=torch.int64), torch.tensor([0, 0]))]
     payload = pack_ids(parts)
     back = unpack_ids(payload, batch=2, num_pieces=2)
+    one_hot = pack_ids([(torch.tensor([4, 9]), torch.tensor([1, 1]))], torch.int32)
+    assert one_hot.dtype == torch.int32 and one_hot.tolist() == [1, 4, 9]  # lengths implied
+    assert [t.tolist() for t in unpack_ids(one_hot, batch=2, num_pieces=1)[0]] == [[4, 9], [1, 1]]
     for (v, ln), (v2, ln2) in zip(parts, back, strict=True):
         assert torch.equal(v, v2) and torch.equal(ln, ln2)
