@@ -65,6 +65,7 @@ bench: setup bench-env
 	$(BENCH_VENV)/bin/python bench/distributed_throughput.py
 	$(BIN)/python bench/quality.py
 	$(BIN)/python bench/serving.py
+	$(BIN)/python bench/dmt.py
 
 clean:
 	rm -rf build .pytest_cache

@@ -72,6 +72,26 @@ def make_plan(args, train: Path, out: Path, extra: list[str]) -> dict:
     return {"table": r.stdout.strip(), "plan": json.loads(out.read_text())}
 
 
+def planted_kept(plan: dict, data_seed: int, random_plans: int = 200) -> dict:
+    """Share of the generator's planted pair weights |w_fg| inside towers: the partitioner's
+    plan against random balanced partitions of the same sizes (the ground truth the warm-up
+    never sees)."""
+    import numpy as np
+
+    from dense_trainer.data.synth import make_teacher
+
+    teacher = make_teacher(data_seed)
+    weight = np.abs(teacher.pair_w)
+    tower = {f"C{i + 1}": t for t, tw in enumerate(plan["towers"]) for i in [int(f[1:]) - 1 for f in tw["features"]]}
+    same = lambda assign: float(weight[[assign[a] == assign[b] for a, b in teacher.pairs]].sum() / weight.sum())  # noqa: E731
+    ours = same([tower[f"C{i + 1}"] for i in range(26)])
+    rng = np.random.default_rng(0)
+    sizes = [len(t["features"]) for t in plan["towers"]]
+    base = np.repeat(np.arange(len(sizes)), sizes)
+    rand = [same(rng.permutation(base).tolist()) for _ in range(random_plans)]
+    return {"partitioner": ours, "random_mean": float(np.mean(rand)), "random_p95": float(np.quantile(rand, 0.95))}
+
+
 # -- topology ------------------------------------------------------------------------------------
 
 
@@ -214,7 +234,7 @@ def main() -> None:
     ap.add_argument("--hash-size", type=int, default=100_000)
     ap.add_argument("--tower-dim", type=int, default=14, help="D' of the tower outputs")
     ap.add_argument("--compress", type=int, default=0, help="c_t (0: no merging of features)")
-    ap.add_argument("--warmup-rows", type=int, default=50_000)
+    ap.add_argument("--warmup-rows", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seeds", type=int, default=3, help="seeds of each quality comparison")
     ap.add_argument("--parts", default="topology,quality")
@@ -229,7 +249,9 @@ def main() -> None:
         planned = make_plan(args, data / "train.txt", plan, ["--set", f"embedding.dim={args.dim}",
                                                               "--set", f"embedding.hash_size={args.hash_size}"])
         results["plan"] = planned["plan"]
+        results["planted_interaction_kept"] = planted_kept(planned["plan"], data_seed=5)
         print(planned["table"], flush=True)
+        print("planted interaction kept inside towers:", results["planted_interaction_kept"], flush=True)
         if "topology" in args.parts:
             print(f"topology: 2 hosts, cross-host links at {args.rate}", flush=True)
             results["topology"] = topology_part(args, data, plan, work)
@@ -238,8 +260,9 @@ def main() -> None:
             sh([*DLRM, "data", "synth", "--train-rows", str(args.quality_rows), "--test-rows", str(args.test_rows * 5),
                 "--seed", "3", "--out", str(qdata)])
             qplan = work / "qtowers.json"
-            make_plan(args, qdata / "train.txt", qplan, ["--set", f"embedding.dim={args.dim}",
-                                                         "--set", f"embedding.hash_size={args.hash_size}"])
+            qplanned = make_plan(args, qdata / "train.txt", qplan, ["--set", f"embedding.dim={args.dim}",
+                                                                    "--set", f"embedding.hash_size={args.hash_size}"])
+            results["quality_plan_planted_interaction_kept"] = planted_kept(qplanned["plan"], data_seed=3)
             print("quality (loopback, E=2, T=1):", flush=True)
             results["quality"] = quality_part(args, qdata, qplan, work)
     (HERE / "results").mkdir(exist_ok=True)
@@ -276,6 +299,12 @@ def markdown(r: dict) -> str:
         lines.append("")
     elif t:
         lines += [f"Topology part skipped: {t['skipped']}", ""]
+    kept = [r[k] for k in ("planted_interaction_kept", "quality_plan_planted_interaction_kept") if k in r]
+    if kept:
+        lines += ["Share of the generator's planted interaction weight kept inside towers (ground truth the "
+                  "warm-up never sees): " + "; ".join(
+                      f"partitioner {k['partitioner']:.0%} vs random balanced partitions {k['random_mean']:.0%} "
+                      f"(95th percentile {k['random_p95']:.0%})" for k in kept) + ".", ""]
     q = r.get("quality")
     if q:
         def row(label: str, c: dict, ref: str) -> str:

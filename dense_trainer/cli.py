@@ -189,7 +189,7 @@ def add_plan_towers_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train", nargs="+", type=Path, metavar="FILE", help="data for the warm-up (needed by --method interaction)")
     p.add_argument("--method", choices=["interaction", "random", "contiguous"], default="interaction")
     p.add_argument("--compress", type=int, metavar="C", help="outputs c_t of every tower module (default: no compression)")
-    p.add_argument("--warmup-rows", type=int, default=50_000, metavar="N", help="rows of the warm-up (default 50000)")
+    p.add_argument("--warmup-rows", type=int, default=200_000, metavar="N", help="rows of the warm-up (default 200000)")
     p.add_argument("--slack", type=float, default=0.15, help="allowed cost above the mean tower (default 0.15)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", type=Path, metavar="TOML")

@@ -17,6 +17,7 @@ the job down.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -126,8 +127,9 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         # Every rank makes every tower's group (a collective), in tower order.
         groups = None
         if layout is not None:
-            groups = [dist.new_group([roles.server_rank(s) for s in servers]) if len(servers) > 1 else None
-                      for servers in layout.servers_of]
+            timeout = datetime.timedelta(seconds=d.timeout_s)
+            groups = [dist.new_group([roles.server_rank(s) for s in servers], timeout=timeout) if len(servers) > 1
+                      else None for servers in layout.servers_of]
         if cluster.is_trainer:
             from dense_trainer.train import Trainer
 

@@ -1,12 +1,12 @@
 """``dlrm plan-towers``: measure how strongly the features interact, then group them into towers.
 
 Interaction strength comes from a short warm-up of the flat model on the first rows of the
-training data (one process, tables in memory): after it, for features i and j,
+training data (one process, tables in memory); then, on a probe batch, each pair's dot is
+replaced by its batch mean, one pair at a time:
 
-    S[i, j] = mean_B |<e_i, e_j>|  x  || W_over[:, pair(i, j)] ||
+    S[i, j] = mean_B | logit - logit with <e_i, e_j> ablated |
 
-the typical magnitude of their learned dot interaction, times how much the over arch's first
-layer listens to it. Features whose pairs the model relies on end up in the same tower
+how much the model's predictions rest on that interaction. Features whose pairs the model relies on end up in the same tower
 (``embedding_server.towers.interaction_towers``), so the interactions that tower modules keep
 are the ones that matter; what crosses towers is only seen through compressed outputs.
 
@@ -56,25 +56,40 @@ def interaction_strength(cfg: Config, files: list[Path], warmup_rows: int, probe
         if steps == 0:
             raise DataError(f"plan-towers: no valid rows in {', '.join(map(str, files))}")
         probe = next(iter(trainer._loader(files, probe_rows, epochs=1, max_rows=probe_rows)))
-        model = trainer.model
-        with torch.no_grad():
-            embedded = trainer.client.lookup(probe.sparse)  # [B, F * D]
-            b, f = embedded.shape[0], len(trainer.spec.tables)
-            if model.project is not None:
-                parts = torch.split(embedded, model.table_dims, dim=1)
-                z = torch.stack([p(e) for p, e in zip(model.project, parts, strict=True)], 1)
-            else:
-                z = embedded.view(b, f, -1)  # [B, F, D]
-            dots = torch.bmm(z, z.transpose(1, 2)).abs().mean(dim=0)  # [F, F]
-            first = next(m for m in model.over_arch.model if isinstance(m, torch.nn.Linear))
-            d = model.dense_arch.model[-2].out_features  # the dense vector's D: pairs start after it
-            n = f + 1
-            rows, cols = torch.triu_indices(n, n, offset=1)
-            weight = first.weight[:, d:].norm(dim=0)  # [P]
-            listen = torch.zeros(n, n)
-            listen[rows, cols] = weight
-            listen = (listen + listen.T)[1:, 1:]  # sparse-sparse pairs only: [F, F]
+        strength = pair_reliance(trainer.model, trainer.client.lookup, probe)
     log.info("plan-towers: warm-up of %d steps on %d rows", steps, min(warmup_rows, steps * cfg.train.batch_size))
-    strength = (dots * listen).numpy().astype(float)
-    np.fill_diagonal(strength, 0.0)
+    return strength
+
+
+@torch.no_grad()
+def pair_reliance(model, lookup, probe, chunk: int = 16) -> np.ndarray:
+    """S[i, j] = mean_B |logit - logit with pair (i, j)'s dot replaced by its batch mean|: how
+    much the trained model's predictions rest on that pair's interaction (an ablation per pair,
+    not the raw size of the dot, which first-order effects inflate)."""
+    model.eval()
+    f = len(model.table_dims)
+    embedded = lookup(probe.sparse)  # [B, F * D]
+    b = embedded.shape[0]
+    if model.project is not None:
+        parts = torch.split(embedded, model.table_dims, dim=1)
+        z = torch.stack([p(e) for p, e in zip(model.project, parts, strict=True)], 1)
+    else:
+        z = embedded.view(b, f, -1)  # [B, F, D]
+    x = model.dense_arch(probe.dense)  # [B, D]
+    inter = model.inter_arch(x, z)  # [B, D + P], pairs over (dense, C1..CF) in triu order
+    base = model.over_arch(inter)  # [B, 1]
+    d = x.shape[1]
+    n = f + 1
+    rows, cols = torch.triu_indices(n, n, offset=1)
+    sparse_pairs = [k for k in range(rows.numel()) if rows[k] > 0]  # not the dense vector's pairs
+    strength = np.zeros((f, f))
+    for lo in range(0, len(sparse_pairs), chunk):
+        ks = sparse_pairs[lo : lo + chunk]
+        ablated = inter.unsqueeze(0).repeat(len(ks), 1, 1)  # [k, B, D + P]
+        for i, k in enumerate(ks):
+            ablated[i, :, d + k] = inter[:, d + k].mean()
+        delta = (model.over_arch(ablated.view(-1, inter.shape[1])).view(len(ks), b) - base.view(1, b)).abs().mean(1)
+        for k, v in zip(ks, delta.tolist(), strict=True):
+            i, j = int(rows[k]) - 1, int(cols[k]) - 1
+            strength[i, j] = strength[j, i] = v
     return strength

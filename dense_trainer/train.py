@@ -139,8 +139,9 @@ class Trainer:
         # 3. dense model
         dims = self.client.output_dims()  # per table, or per tower output
         towers = getattr(self.client, "layout", None)
-        self.model = build_dense_model(cfg.model, len(self.spec.dense), dims, towers.out_dim if towers else cfg.embedding.dim,
-                                       append_embeddings=towers is not None and towers.compressed)
+        compressed = towers is not None and towers.compressed  # else exactly the flat model
+        self.model = build_dense_model(cfg.model, len(self.spec.dense), dims, towers.out_dim if compressed else cfg.embedding.dim,
+                                       append_embeddings=compressed)
         self.model.to(self.device)
         self.net = self.model  # what forward runs: the model, or DDP around it
         if self.trainers > 1:
@@ -505,7 +506,7 @@ class Trainer:
         if cfg_losses := self.step_losses:
             metrics["step_losses"] = cfg_losses
         if cluster_stats is not None:
-            metrics.update(_cluster_metrics(cluster_stats, self.spec, s, self.trainers))
+            metrics.update(_cluster_metrics(cluster_stats, sum(self.client.output_dims()), len(self.spec.tables), s))
         if not self.is_master:
             return metrics
         (self.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
@@ -514,7 +515,7 @@ class Trainer:
         return metrics
 
 
-def _cluster_metrics(stats: dict, spec: FeatureSpec, state: TrainState, trainers: int) -> dict[str, Any]:
+def _cluster_metrics(stats: dict, width: int, num_tables: int, state: TrainState) -> dict[str, Any]:
     """All-to-all traffic per sample against the analytical minimum, and the step's breakdown."""
     ranks = stats["ranks"]
     trainer_stats = [r for r in ranks if "client" in r and r["client"]]
@@ -522,8 +523,7 @@ def _cluster_metrics(stats: dict, spec: FeatureSpec, state: TrainState, trainers
     samples = max(state.samples_seen, 1)
     out_bytes = sum(r["client"]["bytes_out"] for r in trainer_stats)
     in_bytes = sum(r["client"]["bytes_in"] for r in trainer_stats)
-    width = sum(t.dim for t in spec.tables)
-    minimum = {"ids": 4 * len(spec.tables), "pooled": 4 * width, "gradients": 4 * width}
+    minimum = {"ids": 4 * num_tables, "pooled": 4 * width, "gradients": 4 * width}  # width: sum D_t, or C * D'
     steps = max(state.step, 1)
     comm_ms = 1e3 * sum(r["client"]["comm_s"] for r in trainer_stats) / len(trainer_stats) / steps
     cross = sum(r.get("exchange", {}).get("cross_host_bytes", 0) for r in trainer_stats)

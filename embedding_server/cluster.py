@@ -136,7 +136,7 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s
         topology = Topology.from_labels(labels)
     if hierarchical and not topology.uniform:
         raise ConfigError(f"--hierarchical needs as many ranks on every host ({topology.describe()})")
-    intra, peers = make_groups(topology, hierarchical)
+    intra, peers = make_groups(topology, hierarchical, step_timeout)
     exchange = Exchange(topology, rank, hierarchical and intra is not None, intra, peers)
     if rank == 0:
         log.info("topology: %s%s", topology.describe(), "; hierarchical all-to-all" if exchange.hierarchical else "")

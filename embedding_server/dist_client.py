@@ -72,6 +72,11 @@ class DistributedEmbeddingClient(EmbeddingClient):
         if layout is not None:
             mine = {layout.assigned(t, cluster.rank): t for t in range(layout.num_towers)}
             self.recv_widths = [layout.width(mine[s]) if s in mine else 0 for s in range(self.roles.num_servers)]
+        # Identity towers hand the trainer every table's vector: put them back in table order, so
+        # that the dense model is the flat model's whatever the partition.
+        self.in_table_order = None
+        if layout is not None and not layout.compressed:
+            self.in_table_order = torch.tensor(sorted(range(len(layout.feature_order)), key=layout.feature_order.__getitem__))
         self._placeholder = torch.zeros(0, requires_grad=True)
         self.stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0}
 
@@ -120,9 +125,11 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self.stats["bytes_out"] += send.numel() * send.element_size()
         self.stats["bytes_in"] += received.numel() * received.element_size()
         self.stats["lookups"] += 1
-        if self.layout is not None:  # per tower (= per server, in order) [B, c_t * D] -> [B, C * D]
+        if self.layout is not None:  # per tower (= per server, in order) [B, c_t * D'] -> [B, C * D']
             blocks = torch.split(received.float(), [b * w for w in self.recv_widths])
             out = torch.cat([blk.view(b, w) for blk, w in zip(blocks, self.recv_widths, strict=True) if w], dim=1)
+            if self.in_table_order is not None:  # identity towers: the flat model's column order
+                out = out.view(b, -1, self.layout.dim)[:, self.in_table_order].reshape(b, -1)
             return out, (b, bag_lengths)
         # Per server [B, width] -> per piece [B, d_p] -> per table [B, D_t] -> [B, sum D_t]
         blocks = torch.split(received.float(), [b * w for w in self.widths])
@@ -141,6 +148,8 @@ class DistributedEmbeddingClient(EmbeddingClient):
         b, bag_lengths = routing
         grad = grad * self.grad_scale
         if self.layout is not None:  # [B, C * D'] -> per tower, to the server running its module
+            if self.in_table_order is not None:
+                grad = grad.view(b, -1, self.layout.dim)[:, self.layout.feature_order].reshape(b, -1)
             blocks = torch.split(grad, [w for w in self.recv_widths if w], dim=1)
             self._send_grads([blk.reshape(-1) for blk in blocks], [b * w for w in self.recv_widths])
             return
@@ -169,7 +178,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
     # -- the EmbeddingClient interface ------------------------------------------------------------
 
     def output_dims(self) -> list[int]:
-        if self.layout is None:
+        if self.layout is None or not self.layout.compressed:
             return super().output_dims()
         return [self.layout.out_dim] * self.layout.num_outputs
 

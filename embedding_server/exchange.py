@@ -19,6 +19,7 @@ Both count the bytes this rank puts on cross-host links (``stats["cross_host_byt
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
@@ -56,6 +57,8 @@ class Exchange:
             self.intra = intra_groups[self.host]
             self.cross = peer_groups[self.l]
             self.cross_hosts = [topology.hosts[r] for r in sorted(self.peers)]  # hosts in group-rank order
+            self.peer_of = [topology.peers(lp) for lp in range(len(self.local))]  # [local index][host] -> rank
+            self.local_of = [topology.ranks_on(h) for h in range(topology.num_hosts)]
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                    input_splits: list[int]) -> None:
@@ -74,12 +77,12 @@ class Exchange:
         # Chunk of ``input`` bound for each world rank.
         chunks = torch.split(input, input_splits)
         # 0. sizes: to host-mate l', the sizes of my chunks for each host's rank l' -> recv [L, H]
-        send_sizes = torch.tensor([[input_splits[self.topology.peers(lp)[h]] for h in range(hosts)]
+        send_sizes = torch.tensor([[input_splits[self.peer_of[lp][h]] for h in range(hosts)]
                                    for lp in range(local)], dtype=torch.int64)
         sizes = torch.empty_like(send_sizes)
         dist.all_to_all_single(sizes, send_sizes, group=self.intra)
         # 1. intra: to host-mate l', my chunks for (h, l') for every host h, in host order
-        send1 = [chunks[self.topology.peers(lp)[h]] for lp in range(local) for h in range(hosts)]
+        send1 = [chunks[self.peer_of[lp][h]] for lp in range(local) for h in range(hosts)]
         recv1 = torch.empty(int(sizes.sum()), dtype=input.dtype)
         dist.all_to_all_single(recv1, _cat(send1, input), [int(s) for s in sizes.sum(dim=1)],
                                [int(s) for s in send_sizes.sum(dim=1)], group=self.intra)
@@ -90,7 +93,7 @@ class Exchange:
         per_host = sizes.sum(dim=0)
         send2_splits = [int(per_host[h]) for h in order]
         # 2. cross: from the peer on host h, the chunks of h's ranks (by local index) bound for me
-        recv_from = [self.topology.ranks_on(h) for h in order]
+        recv_from = [self.local_of[h] for h in order]
         recv2_splits = [sum(output_splits[r] for r in ranks) for ranks in recv_from]
         recv2 = torch.empty(sum(recv2_splits), dtype=input.dtype)
         dist.all_to_all_single(recv2, _cat(send2, input), recv2_splits, send2_splits, group=self.cross)
@@ -109,11 +112,13 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if parts else like[:0]
 
 
-def make_groups(topology: Topology, hierarchical: bool) -> tuple[list | None, list | None]:
-    """The intra-host and peer process groups (collective: every rank calls it, same order)."""
+def make_groups(topology: Topology, hierarchical: bool, timeout: datetime.timedelta | None = None
+                ) -> tuple[list | None, list | None]:
+    """The intra-host and peer process groups (collective: every rank calls it, same order),
+    failing within ``timeout`` of a lost peer like the world group."""
     if not hierarchical or topology.num_hosts < 2 or not topology.uniform:
         return None, None
-    intra = [dist.new_group(topology.ranks_on(h)) for h in range(topology.num_hosts)]
+    intra = [dist.new_group(topology.ranks_on(h), timeout=timeout) for h in range(topology.num_hosts)]
     local = len(topology.ranks_on(0))
-    peers = [dist.new_group(sorted(topology.peers(lp))) for lp in range(local)]
+    peers = [dist.new_group(sorted(topology.peers(lp)), timeout=timeout) for lp in range(local)]
     return intra, peers

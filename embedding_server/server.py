@@ -87,6 +87,9 @@ class EmbeddingServer:
         self.tower_tables = [(layout.spec.tables[i], plan.pieces_of(layout.spec.tables[i].name))
                              for i in layout.tables_of[t]]
         self.my_trainers = layout.trainers_of(self.index)
+        hosts = self.cluster.topology.hosts if self.cluster.topology else None
+        self.group_remote = [bool(hosts) and hosts[self.roles.server_rank(s)] != hosts[self.cluster.rank]
+                             for s in self.group_servers]  # a tower straddling hosts: count its bytes
         torch.manual_seed(seed * 1_000_003 + t)  # every server of the tower starts from the same module
         self.module = TowerModule(len(layout.tables_of[t]), layout.outputs[t], layout.dim, layout.out_dim)
         self.module_optimizer = tower_optimizer(self.module.parameters(), **optim) if optim else \
@@ -206,6 +209,7 @@ class EmbeddingServer:
             t0 = time.perf_counter()
             dist.all_to_all_single(recv, torch.cat([blk.detach().reshape(-1) for blk in send]), out_splits, in_splits,
                                    group=self.tower_group)
+            self._count_remote(in_splits)
             self.timings["wait_s"] += time.perf_counter() - t0
             gathered = recv.requires_grad_(train)  # a leaf: its gradient goes back the same way
             blocks = dict(zip(self.group_servers, [blk.view(b_mine, w) for blk, w in
@@ -240,10 +244,16 @@ class EmbeddingServer:
             back = torch.empty(pooled.numel(), dtype=torch.float32)
             grad_in = gathered.grad if gathered.grad is not None else torch.zeros_like(gathered)
             dist.all_to_all_single(back, grad_in, in_splits, out_splits, group=self.tower_group)
+            self._count_remote(out_splits)
             if self.shard is not None and pooled.numel():
                 pooled.backward(back.view_as(pooled))  # fused optimizer step
         self._step_module()
         self.timings["update_s"] += time.perf_counter() - t3
+
+    def _count_remote(self, splits: list[int]) -> None:
+        """fp32 elements this server sent to tower-mates on other hosts."""
+        far = sum(n for n, remote in zip(splits, self.group_remote, strict=True) if remote)
+        self.exchange.stats["cross_host_bytes"] += 4 * far
 
     def _step_module(self) -> None:
         """Sum the module's gradients over the tower's servers, then step its optimizer."""
@@ -254,6 +264,9 @@ class EmbeddingServer:
         if self.tower_group is not None:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.tower_group)
+            if any(self.group_remote):  # a ring all-reduce sends 2 (m - 1) / m of the buffer
+                m = len(self.group_servers)
+                self.exchange.stats["cross_host_bytes"] += int(2 * (m - 1) / m * flat.numel() * 4)
             grads = torch.split(flat, [p.numel() for p in params])
         for p, g in zip(params, grads, strict=True):
             p.grad = g.view_as(p)

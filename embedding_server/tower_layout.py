@@ -53,10 +53,14 @@ class TowerLayout:
         if len(dims) != 1:
             raise ConfigError(f"--towers: tower modules need one embedding dim for every table, got {sorted(dims)}")
         self.dim = dims.pop()
+        if out_dim > self.dim:
+            raise ConfigError(f"--tower-dim {out_dim}: the tower outputs compress, so at most the embedding dim {self.dim}")
         self.out_dim = out_dim or self.dim
         self.num_trainers = num_trainers
         index = {t.name: i for i, t in enumerate(spec.tables)}
         self.tables_of = [[index[f] for f in tower.features] for tower in plan.towers]
+        # Table index of each tower-ordered feature (tower 0's features, then tower 1's ...).
+        self.feature_order = [i for tables in self.tables_of for i in tables]
         self.servers_of = [list(range(t * num_servers // k, (t + 1) * num_servers // k)) for t in range(k)]
         self.tower_of_server = [t for t, servers in enumerate(self.servers_of) for _ in servers]
         self.outputs = [tower.outputs for tower in plan.towers]

@@ -29,8 +29,9 @@ def files(d):
     return [d / "train.txt"], [d / "test.txt"]
 
 
-def write_plan(path, k=2, compress=None):
-    make_plan(NAMES, contiguous_towers(NAMES, k), "contiguous", compress).save(path)
+def write_plan(path, k=2, compress=None, interleaved=False):
+    groups = [list(range(t, 26, k)) for t in range(k)] if interleaved else contiguous_towers(NAMES, k)
+    make_plan(NAMES, groups, "manual", compress).save(path)
     return str(path)
 
 
@@ -73,6 +74,8 @@ def test_layout_places_each_tower_on_its_own_servers(tmp_path):
     for p in sharding.pieces:
         tower = 0 if p.table_index < 13 else 1
         assert p.server in layout.servers_of[tower]
+    with pytest.raises(ConfigError, match="--tower-dim 16: the tower outputs compress"):
+        TowerLayout(plan, spec, 2, 1, out_dim=16)
     with pytest.raises(ConfigError, match="2 towers need at least 2 embedding servers"):
         TowerLayout(plan, spec, num_servers=1, num_trainers=1)
     mean = tiny_config(embedding={"pooling": "mean"}).feature_spec()
@@ -84,12 +87,13 @@ def test_layout_places_each_tower_on_its_own_servers(tmp_path):
 
 @pytest.mark.slow
 def test_identity_towers_hierarchical_match_one_process(synth_small, tmp_path):
-    """c_t = F_t: the tower model is the flat model; with 2 emulated hosts, 2 servers per tower
-    (the intra-tower exchange) and the hierarchical all-to-all, losses match one process."""
+    """c_t = F_t: the tower model is the flat model, whatever the partition (here odd and even
+    features); with 2 emulated hosts, 2 servers per tower (the intra-tower exchange) and the
+    hierarchical all-to-all, losses match one process."""
     over = {"train": {"log_step_losses": True, "max_steps": 40, "batch_size": 256}}
     single = Trainer(tiny_config(**over), tmp_path / "single").fit(*files(synth_small))
     cfg = tiny_config(**over, dist={"embedding_servers": 4, "trainers": 2, "hosts": 2, "hierarchical": True,
-                                    "towers": write_plan(tmp_path / "id.json")})
+                                    "towers": write_plan(tmp_path / "id.json", interleaved=True)})
     towers = launch_local(cfg, *files(synth_small), tmp_path / "towers", resume=False)
     a, b = np.array(single["step_losses"]), np.array(towers["step_losses"])
     assert len(a) == len(b) == 40
@@ -179,3 +183,27 @@ def test_hierarchical_all_to_all_equals_flat(tmp_path):
     assert all(r["ok"] for r in results)
     assert sum(r["flat"] for r in results) == sum(r["hier"] for r in results) > 0  # same bytes cross
     assert sum(r["hier_msgs"] for r in results) <= sum(r["flat_msgs"] for r in results)  # in fewer messages
+
+
+def test_pair_reliance_sees_only_pairs_the_model_uses():
+    from dense_trainer.data.batch import Batch
+    from dense_trainer.model import DLRMDense
+    from dense_trainer.tower_planning import pair_reliance
+    from embedding_server.sparse import SparseFeatures
+
+    torch.manual_seed(0)
+    cfg = tiny_config().model
+    model = DLRMDense(13, [8] * 4, cfg, 8)
+    first = model.over_arch.model[0]
+    n, d = 5, 8
+    rows, cols = torch.triu_indices(n, n, offset=1)
+    pair = {(int(r) - 1, int(c) - 1): k for k, (r, c) in enumerate(zip(rows, cols, strict=True)) if r > 0}
+    with torch.no_grad():
+        first.weight[:, d + pair[(0, 1)]] = 0  # the over arch ignores C1 x C2
+    table = torch.randn(4, 100, 8)
+    ids = torch.randint(0, 100, (4, 256))
+    probe = Batch(dense=torch.randn(256, 13), sparse=SparseFeatures.one_hot(ids), labels=torch.zeros(256))
+    lookup = lambda sp: torch.cat([table[f][ids[f]] for f in range(4)], dim=1)  # noqa: E731
+    s = pair_reliance(model, lookup, probe)
+    assert s.shape == (4, 4) and np.allclose(s, s.T) and s[0, 1] == 0
+    assert (s[~np.eye(4, dtype=bool) & (s != s[0, 1])] > 0).all()
