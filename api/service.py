@@ -24,7 +24,7 @@ from api.metrics import ServingMetrics
 from api.schemas import PositionalInstance
 from api.settings import Settings
 from dense_trainer.config import ModelConfig
-from dense_trainer.model import build_dense_model
+from dense_trainer.model import build_served_model
 from embedding_server.criteo_format import BlockParser, RawBlock
 from embedding_server.features import FeatureSpec, featurize
 from embedding_server.stores import ServingStore
@@ -48,8 +48,7 @@ class NotReady(RuntimeError):
 
 def build_dense(meta: ModelVersion, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The dense network of a version, with its weights, in inference mode."""
-    dims = [t.dim for t in meta.spec.tables]
-    module = build_dense_model(ModelConfig.model_validate(meta.model), len(meta.spec.dense), dims, meta.embedding_dim)
+    module = build_served_model(ModelConfig.model_validate(meta.model), meta.spec, meta.embedding_dim, meta.towers)
     module.load_state_dict(state)
     module.eval()
     for p in module.parameters():

@@ -206,8 +206,9 @@ def compare(args, flags: list[str], plan: Path, work: Path, tag: str) -> dict:
 
 
 def quality_part(args, data: Path, plan: Path, work: Path) -> dict:
-    out: dict = {}
-    base = [*model_flags(args), "--train", str(data / "train.txt"), "--test", str(data / "test.txt")]
+    out: dict = {"batch": args.quality_batch}
+    base = [*model_flags(args), "--batch-size", str(args.quality_batch), "--train", str(data / "train.txt"),
+            "--test", str(data / "test.txt")]
     synth = compare(args, base, plan, work, "generated")
     synth["bayes_auc"] = json.loads((data / "bayes.json").read_text())["test_auc"]
     synth["rows"] = [args.quality_rows, args.test_rows * 5]
@@ -237,6 +238,7 @@ def main() -> None:
     ap.add_argument("--warmup-rows", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seeds", type=int, default=3, help="seeds of each quality comparison")
+    ap.add_argument("--quality-batch", type=int, default=512, help="batch of the quality runs (the default config's)")
     ap.add_argument("--parts", default="topology,quality")
     args = ap.parse_args()
     results: dict = {"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
@@ -255,6 +257,7 @@ def main() -> None:
         if "topology" in args.parts:
             print(f"topology: 2 hosts, cross-host links at {args.rate}", flush=True)
             results["topology"] = topology_part(args, data, plan, work)
+            results["topology_args"] = vars(args)
         if "quality" in args.parts:
             qdata = work / "qdata"
             sh([*DLRM, "data", "synth", "--train-rows", str(args.quality_rows), "--test-rows", str(args.test_rows * 5),
@@ -263,9 +266,13 @@ def main() -> None:
             qplanned = make_plan(args, qdata / "train.txt", qplan, ["--set", f"embedding.dim={args.dim}",
                                                                     "--set", f"embedding.hash_size={args.hash_size}"])
             results["quality_plan_planted_interaction_kept"] = planted_kept(qplanned["plan"], data_seed=3)
-            print("quality (loopback, E=2, T=1):", flush=True)
-            results["quality"] = quality_part(args, qdata, qplan, work)
+            print(f"quality (loopback, E=2, T=1, batch {args.quality_batch}):", flush=True)
+            results[f"quality_batch{args.quality_batch}"] = quality_part(args, qdata, qplan, work)
     (HERE / "results").mkdir(exist_ok=True)
+    previous = HERE / "results" / "dmt.json"
+    if previous.exists():  # parts not run this time keep their last results
+        kept = {k: v for k, v in json.loads(previous.read_text()).items() if k not in results and k != "args"}
+        results = {**kept, **results}
     (HERE / "results" / "dmt.json").write_text(json.dumps(results, indent=2) + "\n")
     (HERE / "results" / "dmt.md").write_text(markdown(results))
     print(markdown(results))
@@ -277,6 +284,7 @@ def markdown(r: dict) -> str:
              f"D = {a['dim']}, towers K = 2 from `dlrm plan-towers`, tower outputs c_t x D' with "
              f"c_t = {a['compress'] or 'F_t'} and D' = {a['tower_dim'] or a['dim']}.", ""]
     t = r.get("topology")
+    a = r.get("topology_args", a)
     if t and "skipped" not in t:
         lines += ["## Two hosts (network namespaces), rate-limited cross-host links (tc tbf)", "",
                   f"{a['rows']:,} generated rows, global batch {a['batch']}, 2 trainers + 2 servers, one of each per "
@@ -305,8 +313,9 @@ def markdown(r: dict) -> str:
                   "warm-up never sees): " + "; ".join(
                       f"partitioner {k['partitioner']:.0%} vs random balanced partitions {k['random_mean']:.0%} "
                       f"(95th percentile {k['random_p95']:.0%})" for k in kept) + ".", ""]
-    q = r.get("quality")
-    if q:
+    for key in sorted(k for k in r if k.startswith("quality_batch")):
+        q = r[key]
+
         def row(label: str, c: dict, ref: str) -> str:
             fmt = lambda xs: ", ".join(f"{x:.4f}" for x in xs)  # noqa: E731
             return (f"| {label} | {c['flat']['mean_auc']:.4f} ({fmt(c['flat']['test_auc'])}) | "
@@ -314,7 +323,8 @@ def markdown(r: dict) -> str:
                     f"{c['auc_towers_minus_flat']:+.4f} | {ref} |")
 
         g = q["generated"]
-        lines += [f"## Test AUC (loopback, 2 servers, 1 trainer, one epoch; mean of {a['seeds']} seeds, each in brackets)", "",
+        lines += [f"## Test AUC, batch {q['batch']} (loopback, 2 servers, 1 trainer, one epoch; mean of "
+                  f"{len(g['flat']['test_auc'])} seeds, each in brackets)", "",
                   "| data | flat | towers | towers - flat | reference |", "|---|---|---|---:|---|",
                   row(f"generated {g['rows'][0]:,} / {g['rows'][1]:,} rows", g, f"Bayes-optimal {g['bayes_auc']:.4f}")]
         if "criteo_sample" in q:

@@ -69,7 +69,8 @@ def tower_layout(cfg: Config, topology=None) -> TowerLayout | None:
     if cfg.model.kind != "dlrm":
         raise ConfigError("--towers needs model.kind = dlrm (tower modules feed its interaction)")
     if cfg.live.store:
-        raise ConfigError("--towers with live updates: serving does not run tower modules yet; publish a flat model")
+        raise ConfigError("--towers with live updates: the tower modules train on the servers and are not pushed "
+                          "live yet; publish the run's checkpoints instead (dlrm publish)")
     return TowerLayout(plan, cfg.feature_spec(), d.embedding_servers, d.trainers, topology, d.tower_dim)
 
 

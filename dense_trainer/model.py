@@ -216,6 +216,43 @@ class LogisticRegression(nn.Module):
         return self.linear(dense).squeeze(1) + embedded.sum(dim=1)
 
 
+class TowerDLRM(nn.Module):
+    """A compressed tower model in one process, for serving and offline scoring: each tower's
+    module (trained on the embedding servers) over its features, then the trainers' dense model.
+
+    dense [B, I], embedded [B, F * D] (table order) -> logits [B]
+    """
+
+    def __init__(self, tables_of: list[list[int]], towers: nn.ModuleList, net: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.tables_of = [list(t) for t in tables_of]
+        self.towers = towers
+        self.net = net
+        self.dim = dim
+
+    def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        z = embedded.view(embedded.shape[0], -1, self.dim)  # [B, F, D]
+        outs = [tower(z[:, tables]) for tower, tables in zip(self.towers, self.tables_of, strict=True)]  # [B, c_t, D']
+        return self.net(dense, torch.cat(outs, dim=1).flatten(1))  # [B, C * D'] -> [B]
+
+
+def build_served_model(cfg: ModelConfig, spec, embedding_dim: int, towers: dict | None = None) -> nn.Module:
+    """The network a published version runs on pooled embeddings in table order: the dense model,
+    or with a compressed tower plan (``ModelVersion.towers``) the tower modules before it."""
+    dims = [t.dim for t in spec.tables]
+    if not towers:
+        return build_dense_model(cfg, len(spec.dense), dims, embedding_dim)
+    from embedding_server.tower_module import TowerModule
+
+    index = {t.name: i for i, t in enumerate(spec.tables)}
+    tables_of = [[index[f] for f in tower["features"]] for tower in towers["towers"]]
+    outputs = [tower.get("compress") or len(tower["features"]) for tower in towers["towers"]]
+    dim, out_dim = dims[0], towers["out_dim"]
+    modules = nn.ModuleList(TowerModule(len(t), c, dim, out_dim) for t, c in zip(tables_of, outputs, strict=True))
+    net = build_dense_model(cfg, len(spec.dense), [out_dim] * sum(outputs), out_dim, append_embeddings=True)
+    return TowerDLRM(tables_of, modules, net, dim)
+
+
 def build_dense_model(
     cfg: ModelConfig, num_dense: int, table_dims: list[int], embedding_dim: int, append_embeddings: bool = False
 ) -> nn.Module:

@@ -43,6 +43,12 @@ def resolve_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"{path}: no checkpoint there (no manifest.json or latest pointer)")
 
 
+def _compressed(towers: dict, spec: FeatureSpec) -> bool:
+    dim = spec.tables[0].dim
+    return towers["out_dim"] < dim or any(
+        (t.get("compress") or len(t["features"])) < len(t["features"]) for t in towers["towers"])
+
+
 def publish_checkpoint(
     checkpoint: Path,
     store: ServingStore,
@@ -54,9 +60,6 @@ def publish_checkpoint(
     path = resolve_checkpoint(checkpoint)
     manifest = read_manifest(path)
     meta = manifest["meta"]
-    if meta.get("towers"):
-        raise CheckpointError(f"checkpoint {checkpoint} is a tower model (--towers): serving does not run "
-                              "tower modules yet; train and publish a flat model")
     spec = FeatureSpec.model_validate(meta["feature_spec"])
     cfg = meta.get("config", {})
     seed = cfg.get("train", {}).get("seed", 0)
@@ -65,9 +68,16 @@ def publish_checkpoint(
     name = version or f"step{step}-{time.strftime('%Y%m%d-%H%M%S')}"
     tables = CheckpointTables(path)  # whatever sharding wrote it
     dense = load_file(path, "dense.pt")
+    towers = meta.get("towers")
+    if towers and _compressed(towers, spec):  # identity towers are the flat model as they are
+        modules = [load_file(path, f"tower-{t}.pt")["module"] for t in range(len(towers["towers"]))]
+        dense = {**{f"net.{k}": v for k, v in dense.items()},
+                 **{f"towers.{t}.{k}": v for t, state in enumerate(modules) for k, v in state.items()}}
+    else:
+        towers = None
     out = ModelVersion(
         version=name, step=step, spec=spec, model=meta["model"], embedding_dim=meta["embedding_dim"],
-        row_dtype=row_dtype, source=str(path),
+        row_dtype=row_dtype, source=str(path), towers=towers,
     )
     t0 = time.perf_counter()
     with store.begin(out) as writer:

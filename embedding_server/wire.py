@@ -46,6 +46,9 @@ class ModelVersion(BaseModel):
     """Per table, the embedding served for a row missing from the store (mean of trained rows)."""
     source: str = ""
     """Where it came from (checkpoint path, or ``live:<run>``)."""
+    towers: dict[str, Any] | None = None
+    """A compressed tower model's towers (features, c_t) and output dim D': the dense weights
+    then hold the tower modules (``towers.<t>.*``) and the trainers' network (``net.*``)."""
 
 
 def encode_rows(rows: np.ndarray, dtype: RowDtype) -> np.ndarray:

@@ -7,8 +7,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+from api.app import create_app
+from api.settings import Settings
 from dense_trainer.distributed import launch_local
+from dense_trainer.metrics import roc_auc
 from dense_trainer.train import Trainer
 from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.errors import ConfigError
@@ -121,9 +125,18 @@ def test_compressed_towers_checkpoint_resume_and_reshard(synth_small, tmp_path):
     resharded = run(4, "c", True)
     assert np.allclose(resharded["step_losses"], full["step_losses"][30:], rtol=1e-4)
     assert full["test_auc"] > 0.6
-    # a tower model is refused by publish, naming why
-    with pytest.raises(Exception, match="tower model"):
-        publish_checkpoint(ckpt, open_store(f"file://{tmp_path / 'store'}"))
+    # published, the tower model scores online as it scored offline
+    meta = publish_checkpoint(latest_checkpoint(tmp_path / "a" / "checkpoints"), open_store(f"file://{tmp_path / 'store'}"))
+    assert meta.towers is not None and meta.towers["towers"][0]["compress"] == 2
+    lines = (synth_small / "test.txt").read_text().splitlines()
+    predictions = []
+    with TestClient(create_app(Settings(store=f"file://{tmp_path / 'store'}"))) as client:
+        for lo in range(0, len(lines), 2500):  # at most 4096 lines per request
+            r = client.post("/v1/models/dlrm:predict_tsv", content="\n".join(lines[lo : lo + 2500]))
+            assert r.status_code == 200, r.text
+            predictions += r.json()["predictions"]
+    labels = np.array([int(line.split("\t", 1)[0]) for line in lines])
+    assert abs(roc_auc(np.array(predictions), labels) - full["test_auc"]) < 1e-4
 
 
 @pytest.mark.slow
