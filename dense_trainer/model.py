@@ -243,10 +243,12 @@ def build_served_model(cfg: ModelConfig, spec, embedding_dim: int, towers: dict 
     if not towers:
         return build_dense_model(cfg, len(spec.dense), dims, embedding_dim)
     from embedding_server.tower_module import TowerModule
+    from embedding_server.towers import TowerPlan
 
+    plan = TowerPlan(towers=towers["towers"])
     index = {t.name: i for i, t in enumerate(spec.tables)}
-    tables_of = [[index[f] for f in tower["features"]] for tower in towers["towers"]]
-    outputs = [tower.get("compress") or len(tower["features"]) for tower in towers["towers"]]
+    tables_of = [[index[f] for f in tower.features] for tower in plan.towers]
+    outputs = [tower.outputs for tower in plan.towers]
     dim, out_dim = dims[0], towers["out_dim"]
     modules = nn.ModuleList(TowerModule(len(t), c, dim, out_dim) for t, c in zip(tables_of, outputs, strict=True))
     net = build_dense_model(cfg, len(spec.dense), [out_dim] * sum(outputs), out_dim, append_embeddings=True)

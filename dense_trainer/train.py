@@ -138,9 +138,10 @@ class Trainer:
         self.sparse_arch = SparseArch(self.client)
         # 3. dense model
         dims = self.client.output_dims()  # per table, or per tower output
-        towers = getattr(self.client, "layout", None)
-        compressed = towers is not None and towers.compressed  # else exactly the flat model
-        self.model = build_dense_model(cfg.model, len(self.spec.dense), dims, towers.out_dim if compressed else cfg.embedding.dim,
+        self.towers = getattr(self.client, "layout", None)  # a TowerLayout with tower modules on servers
+        compressed = self.towers is not None and self.towers.compressed  # else exactly the flat model
+        self.model = build_dense_model(cfg.model, len(self.spec.dense), dims,
+                                       self.towers.out_dim if compressed else cfg.embedding.dim,
                                        append_embeddings=compressed)
         self.model.to(self.device)
         self.net = self.model  # what forward runs: the model, or DDP around it
@@ -241,8 +242,8 @@ class Trainer:
             "embedding_dim": self.cfg.embedding.dim,
             "sparse_optimizer": self.cfg.embedding.optimizer.kind,
             "dense_optimizer": self.cfg.optim.kind,
-            "towers": {"towers": [t.model_dump() for t in layout.plan.towers], "out_dim": layout.out_dim}
-            if (layout := getattr(self.client, "layout", None)) else None,
+            "towers": {"towers": [t.model_dump() for t in self.towers.plan.towers], "out_dim": self.towers.out_dim}
+            if self.towers else None,
         }
 
     def save_checkpoint(self) -> Path:

@@ -76,7 +76,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
         # that the dense model is the flat model's whatever the partition.
         self.in_table_order = None
         if layout is not None and not layout.compressed:
-            self.in_table_order = torch.tensor(sorted(range(len(layout.feature_order)), key=layout.feature_order.__getitem__))
+            self.in_table_order = torch.argsort(torch.tensor(layout.feature_order))
         self._placeholder = torch.zeros(0, requires_grad=True)
         self.stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0}
 

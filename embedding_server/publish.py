@@ -21,6 +21,7 @@ from embedding_server.features import FeatureSpec
 from embedding_server.shard import LocalTable, init_rows
 from embedding_server.stores.base import ServingStore
 from embedding_server.table_checkpoint import CheckpointTables
+from embedding_server.towers import TowerPlan
 from embedding_server.wire import ModelVersion, RowDtype
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,6 @@ def resolve_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"{path}: no checkpoint there (no manifest.json or latest pointer)")
 
 
-def _compressed(towers: dict, spec: FeatureSpec) -> bool:
-    dim = spec.tables[0].dim
-    return towers["out_dim"] < dim or any(
-        (t.get("compress") or len(t["features"])) < len(t["features"]) for t in towers["towers"])
-
-
 def publish_checkpoint(
     checkpoint: Path,
     store: ServingStore,
@@ -69,7 +64,8 @@ def publish_checkpoint(
     tables = CheckpointTables(path)  # whatever sharding wrote it
     dense = load_file(path, "dense.pt")
     towers = meta.get("towers")
-    if towers and _compressed(towers, spec):  # identity towers are the flat model as they are
+    if towers and TowerPlan(towers=towers["towers"]).compresses(spec.tables[0].dim, towers["out_dim"]):
+        # (identity towers are the flat model as they are)
         modules = [load_file(path, f"tower-{t}.pt")["module"] for t in range(len(towers["towers"]))]
         dense = {**{f"net.{k}": v for k, v in dense.items()},
                  **{f"towers.{t}.{k}": v for t, state in enumerate(modules) for k, v in state.items()}}

@@ -87,6 +87,8 @@ class EmbeddingServer:
         self.tower_tables = [(layout.spec.tables[i], plan.pieces_of(layout.spec.tables[i].name))
                              for i in layout.tables_of[t]]
         self.my_trainers = layout.trainers_of(self.index)
+        self.group_trainers = [layout.trainers_of(s) for s in self.group_servers]  # contiguous blocks
+        self.timings["tower_s"] = 0.0
         hosts = self.cluster.topology.hosts if self.cluster.topology else None
         self.group_remote = [bool(hosts) and hosts[self.roles.server_rank(s)] != hosts[self.cluster.rank]
                              for s in self.group_servers]  # a tower straddling hosts: count its bytes
@@ -193,7 +195,7 @@ class EmbeddingServer:
     def _tower_step(self, pooled: torch.Tensor, batches: list[int], train: bool) -> None:
         """pooled [sum_r B_r, width] (rows by trainer) -> tower module -> my trainers, and back."""
         world, trainers = self.roles.world_size, self.roles.num_trainers
-        layout, m = self.layout, len(self.group_servers)
+        m = len(self.group_servers)
         starts = [sum(batches[:r]) for r in range(trainers + 1)]
         mine = self.my_trainers
         b_mine = sum(batches[r] for r in mine)
@@ -201,8 +203,7 @@ class EmbeddingServer:
         if m == 1:
             blocks = {self.index: pooled}
         else:
-            rows_of = {s: layout.trainers_of(s) for s in self.group_servers}
-            send = [pooled[starts[r[0]] : starts[r[-1] + 1]] if r else pooled[:0] for r in (rows_of[s] for s in self.group_servers)]
+            send = [pooled[starts[r[0]] : starts[r[-1] + 1]] if r else pooled[:0] for r in self.group_trainers]
             in_splits = [blk.numel() for blk in send]
             out_splits = [b_mine * w for w in self.group_widths]
             recv = torch.empty(sum(out_splits), dtype=torch.float32)
@@ -225,7 +226,7 @@ class EmbeddingServer:
         with torch.set_grad_enabled(train):
             z = torch.stack(feats, dim=1)  # [B_mine, F_t, D]
             out = self.module(z).reshape(b_mine, self.out_width)  # [B_mine, c_t * D]
-        self.timings["tower_s"] = self.timings.get("tower_s", 0.0) + time.perf_counter() - t1
+        self.timings["tower_s"] += time.perf_counter() - t1
         # 2. to my trainers
         to_trainers = [batches[r] * self.out_width if r in mine else 0 for r in range(trainers)] + [0] * (world - trainers)
         t2 = time.perf_counter()

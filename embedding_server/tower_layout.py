@@ -84,7 +84,7 @@ class TowerLayout:
     def compressed(self) -> bool:
         """Some tower module compresses (c_t < F_t): the trainers' over arch also sees the
         outputs themselves. Otherwise the tower model is exactly the flat model."""
-        return self.num_outputs < sum(len(t) for t in self.tables_of) or self.out_dim != self.dim
+        return self.plan.compresses(self.dim, self.out_dim)
 
     def width(self, tower: int) -> int:
         return self.outputs[tower] * self.out_dim

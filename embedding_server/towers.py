@@ -83,6 +83,12 @@ class TowerPlan(BaseModel):
     kept_share: float | None = None
     """Share of the interaction mass between features that falls inside towers, when known."""
 
+    def compresses(self, dim: int, out_dim: int) -> bool:
+        """Whether the tower modules change anything, with tables of ``dim`` and outputs of
+        ``out_dim``: some tower merges features or the outputs are shorter. Otherwise every
+        module is the identity and the tower model is exactly the flat model."""
+        return out_dim < dim or not all(t.identity for t in self.towers)
+
     def validate_for(self, spec: FeatureSpec) -> TowerPlan:
         """Check that the plan partitions exactly the sparse features of ``spec``.
 
