@@ -8,9 +8,11 @@ checkpoints) end the command with one line on stderr and a non-zero exit status;
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
+
+from dlrm_core.errors import DlrmError
+from dlrm_core.logs import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,29 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging(verbose: bool = False, quiet: bool = False) -> None:
-    """Our packages log at INFO (DEBUG with -v, WARNING when quiet: the non-master ranks of a
-    distributed job); third-party libraries only warnings (fbgemm logs every TBE's full argument
-    list at INFO on the root logger)."""
-    rank = os.environ.get("RANK")
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING,
-        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
-    )
-    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
-    for name in ("embedding_server", "dense_trainer", "api", "dlrm"):
-        logging.getLogger(name).setLevel(level)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
-    from embedding_server.errors import DlrmError
-
     try:
         return args.func(args)
     except DlrmError as exc:

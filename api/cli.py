@@ -30,7 +30,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.settings import Settings
-    from embedding_server.errors import ConfigError
+    from dlrm_core.errors import ConfigError
 
     env = {
         "DLRM_STORE": args.store,

@@ -4,16 +4,15 @@ in one place, ``api/app.py``."""
 from __future__ import annotations
 
 import hmac
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from api.errors import NotReady, Unauthorized
 from api.schemas import ErrorBody, ModelInfo, PredictRequest, PredictResponse
-from api.service import InputError, ModelService, NotReady
-from api.settings import Settings
+from api.service import ModelService
 
 ERRORS = {
     401: {"model": ErrorBody, "description": "Missing or wrong bearer API key"},
@@ -24,20 +23,8 @@ ERRORS = {
 }
 
 
-class ModelNotFound(LookupError):
-    pass
-
-
-class Unauthorized(PermissionError):
-    pass
-
-
 def get_service(request: Request) -> ModelService:
     return request.app.state.service
-
-
-def get_app_settings(request: Request) -> Settings:
-    return request.app.state.settings
 
 
 def require_api_key(request: Request) -> None:
@@ -51,12 +38,6 @@ def require_api_key(request: Request) -> None:
 
 
 ServiceDep = Annotated[ModelService, Depends(get_service)]
-SettingsDep = Annotated[Settings, Depends(get_app_settings)]
-
-
-def check_name(name: str, settings: Settings) -> None:
-    if name != settings.model_name:
-        raise ModelNotFound(f"no model named {name!r} (this server serves {settings.model_name!r})")
 
 
 router = APIRouter()
@@ -64,23 +45,9 @@ models = APIRouter(prefix="/v1/models", dependencies=[Depends(require_api_key)],
 
 
 @models.post("/{name}:predict", response_model=PredictResponse, summary="Score instances")
-def predict(
-    name: str,
-    body: PredictRequest,
-    request: Request,
-    service: ServiceDep,
-    settings: SettingsDep,
-) -> PredictResponse:
-    t0 = time.perf_counter()
-    check_name(name, settings)
-    if len(body.instances) > settings.max_instances:
-        raise InputError("instances", f"{len(body.instances)} instances, at most {settings.max_instances} per request")
-    model = service.current()
-    dense, ids, offsets = service.featurize_instances(model, body.instances)
-    predictions = service.score(model, dense, ids, offsets)
-    service.metrics.batch_size.observe(len(predictions))
-    request.state.t0 = t0
-    return PredictResponse(predictions=predictions, model_version=model.version)
+def predict(name: str, body: PredictRequest, service: ServiceDep) -> PredictResponse:
+    predictions, version = service.predict(name, body.instances)
+    return PredictResponse(predictions=predictions, model_version=version)
 
 
 @models.post(
@@ -95,28 +62,15 @@ def predict(
         }
     },
 )
-async def predict_tsv(
-    name: str,
-    request: Request,
-    service: ServiceDep,
-    settings: SettingsDep,
-) -> PredictResponse:
-    check_name(name, settings)
+async def predict_tsv(name: str, request: Request, service: ServiceDep) -> PredictResponse:
     text = await request.body()
-    model = service.current()
-    dense, ids, offsets, n = service.featurize_tsv(model, text)
-    if n > settings.max_instances:
-        raise InputError("body", f"{n} lines, at most {settings.max_instances} per request")
-    predictions = service.score(model, dense, ids, offsets)
-    service.metrics.batch_size.observe(n)
-    return PredictResponse(predictions=predictions, model_version=model.version)
+    predictions, version = service.predict_tsv(name, text)
+    return PredictResponse(predictions=predictions, model_version=version)
 
 
 @models.get("/{name}", response_model=ModelInfo, summary="The served version and its feature spec")
-def model_info(
-    name: str, service: ServiceDep, settings: SettingsDep
-) -> ModelInfo:
-    check_name(name, settings)
+def model_info(name: str, service: ServiceDep) -> ModelInfo:
+    service.check_name(name)
     model = service.current()
     meta = model.meta
     return ModelInfo(

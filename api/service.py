@@ -1,4 +1,5 @@
-"""The serving logic: the loaded model, row lookups through the cache, scoring, live refresh.
+"""The serving logic: the loaded model, live refresh, and ``predict`` (featurising in
+``featurize.py``, row lookups in ``lookup.py``, errors in ``errors.py``).
 
 The model being served is one :class:`ServingModel` reference on the service. A new version is
 loaded off to the side and swapped in with one assignment; a request holds the reference it
@@ -9,41 +10,28 @@ way.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 
 import numpy as np
-import pyarrow as pa
 import torch
-import torch.nn.functional as nnf
 
 from api.cache import RowCache
+from api.errors import InputError, ModelNotFound, NotReady
+from api.featurize import featurize_instances, featurize_tsv
+from api.lookup import embed
 from api.metrics import ServingMetrics
 from api.schemas import PositionalInstance
 from api.settings import Settings
 from dense_trainer.config import ModelConfig
 from dense_trainer.model import build_served_model
-from embedding_server.criteo_format import BlockParser, RawBlock
-from embedding_server.features import FeatureSpec, featurize
+from dlrm_core.features import FeatureSpec
+from dlrm_core.formats.criteo import BlockParser
 from embedding_server.stores import ServingStore
 from embedding_server.wire import ModelVersion
 
 log = logging.getLogger(__name__)
-
-
-class InputError(ValueError):
-    """A request that is well-typed but wrong for this model (the API answers 422)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-class NotReady(RuntimeError):
-    """No model is loaded yet (nothing published, or the store unreachable at start)."""
 
 
 def build_dense(meta: ModelVersion, state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -129,7 +117,7 @@ class ModelService:
         model = ServingModel(meta, dense, self.settings.cache_mb * 2**20, self.store.remote)
         # One request through the whole path (featurising, lookups, network) before real ones.
         empty = PositionalInstance(dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.tables))
-        self.score(model, *self.featurize_instances(model, [empty]))
+        self.score(model, *featurize_instances(meta.spec, [empty]))
         old = self.model
         self.model, self._cursor = model, cursor  # the swap: one reference
         self.store.release(keep=version)
@@ -162,150 +150,36 @@ class ModelService:
             raise NotReady("no model loaded yet")
         return model
 
-    # -- requests -> model inputs -------------------------------------------------------------------
+    # -- requests ------------------------------------------------------------------------------------
 
-    @staticmethod
-    def instances_to_arrays(spec: FeatureSpec, instances: list) -> tuple[np.ndarray, list[str], np.ndarray]:
-        """Validated instances -> raw dense float64 [B, I] (NaN missing), bag values, lengths [B, F]."""
-        n_dense, n_sparse = len(spec.dense), len(spec.tables)
-        dense_rows: list[list] = []
-        sparse_rows: list[list] = []
-        index = {name: ("dense", j) for j, name in enumerate(spec.dense)}
-        index.update({name: ("sparse", j) for j, name in enumerate(spec.sparse)})
-        for i, inst in enumerate(instances):
-            if isinstance(inst, dict):  # named
-                dense, sparse = [None] * n_dense, [None] * n_sparse
-                for key, value in inst.items():
-                    kind = index.get(key)
-                    if kind is None:
-                        raise InputError(f"instances.{i}.{key}", "unknown feature name")
-                    if kind[0] == "dense":
-                        if value is not None and not isinstance(value, float | int):
-                            raise InputError(f"instances.{i}.{key}", "a dense feature must be a number or null")
-                        dense[kind[1]] = value
-                    else:
-                        if isinstance(value, float):
-                            raise InputError(f"instances.{i}.{key}", "a categorical must be hex, an integer, a list or null")
-                        sparse[kind[1]] = value
-            else:
-                dense, sparse = inst.dense, inst.sparse
-                if len(dense) != n_dense:
-                    raise InputError(f"instances.{i}.dense", f"expected {n_dense} values, got {len(dense)}")
-                if len(sparse) != n_sparse:
-                    raise InputError(f"instances.{i}.sparse", f"expected {n_sparse} values, got {len(sparse)}")
-            dense_rows.append(dense)
-            sparse_rows.append(sparse)
-        dense_arr = pa.array(itertools.chain.from_iterable(dense_rows), type=pa.float64())
-        dense_np = dense_arr.to_numpy(zero_copy_only=False).reshape(len(instances), n_dense)
-        values: list[str] = []
-        lengths = np.ones((len(instances), n_sparse), dtype=np.int64)
-        for i, row in enumerate(sparse_rows):
-            for j, v in enumerate(row):
-                if isinstance(v, str):
-                    values.append(v)
-                elif v is None:
-                    values.append("")
-                elif isinstance(v, int):
-                    values.append(format(v, "x"))
-                else:  # a multi-hot bag
-                    bag = [x if isinstance(x, str) else format(x, "x") for x in v] or [""]
-                    values.extend(bag)
-                    lengths[i, j] = len(bag)
-        return dense_np, values, lengths
+    def check_name(self, name: str) -> None:
+        if name != self.settings.model_name:
+            raise ModelNotFound(f"no model named {name!r} (this server serves {self.settings.model_name!r})")
 
-    def featurize_instances(self, model: ServingModel, instances: list):
-        dense, values, lengths = self.instances_to_arrays(model.spec, instances)
-        dense_t, ids, offsets, bad = featurize(model.spec, dense, values, lengths)
-        if len(bad):  # schema validation makes this unreachable for JSON; kept for safety
-            raise InputError("instances", f"{len(bad)} categorical value(s) are not hex")
-        return dense_t, ids, offsets
+    def predict(self, name: str, instances: list) -> tuple[list[float], str]:
+        """Click probabilities of JSON instances, and the version that scored them."""
+        self.check_name(name)
+        if len(instances) > self.settings.max_instances:
+            raise InputError("instances", f"{len(instances)} instances, at most {self.settings.max_instances} per request")
+        model = self.current()
+        predictions = self.score(model, *featurize_instances(model.spec, instances))
+        self.metrics.batch_size.observe(len(predictions))
+        return predictions, model.version
 
-    @staticmethod
-    def featurize_tsv(model: ServingModel, text: bytes):
-        """Criteo TSV lines (with or without the label column) -> model inputs."""
-        lines = text.splitlines()
-        if not lines or all(not line.strip() for line in lines):
-            raise InputError("body", "no lines")
-        width = model.spec.num_columns
-        fixed = []
-        for n, line in enumerate(lines, start=1):
-            fields = line.count(b"\t") + 1
-            if fields == width - 1:  # no label column
-                line = b"0\t" + line
-            elif fields != width:
-                raise InputError(f"line {n}", f"expected {width - 1} or {width} tab-separated fields, got {fields}")
-            fixed.append(line)
-        parsed = model.parser.parse(RawBlock(0, 0, 1, b"\n".join(fixed) + b"\n", len(fixed)))
-        if parsed.bad:
-            b = parsed.bad[0]
-            raise InputError(f"line {b.line}", b.reason)
-        n = parsed.num_rows
-        if parsed.ids is not None:
-            ids = parsed.ids.reshape(-1)
-            offsets = np.arange(ids.size + 1, dtype=np.int64)
-        else:
-            ids = np.concatenate(parsed.values)
-            offsets = np.zeros(parsed.lengths.size + 1, dtype=np.int64)
-            np.cumsum(parsed.lengths.reshape(-1), out=offsets[1:])
-        return parsed.dense, ids, offsets, n
-
-    # -- scoring ------------------------------------------------------------------------------------
+    def predict_tsv(self, name: str, text: bytes) -> tuple[list[float], str]:
+        """Click probabilities of TSV lines in the model's input layout, and the scoring version."""
+        self.check_name(name)
+        model = self.current()
+        dense, ids, offsets, n = featurize_tsv(model.spec, model.parser, text)
+        if n > self.settings.max_instances:
+            raise InputError("body", f"{n} lines, at most {self.settings.max_instances} per request")
+        predictions = self.score(model, dense, ids, offsets)
+        self.metrics.batch_size.observe(n)
+        return predictions, model.version
 
     def embed(self, model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int) -> torch.Tensor:
-        """Pooled embeddings float [B, sum(D_t)] of a feature-major id batch."""
-        spec = model.spec
-        uniques, inverses = {}, {}
-        need: dict[str, np.ndarray] = {}
-        cached: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for f, table in enumerate(spec.tables):
-            t_ids = ids[offsets[f * batch] : offsets[(f + 1) * batch]]
-            uniq, inv = np.unique(t_ids, return_inverse=True)
-            uniques[table.name], inverses[table.name] = uniq, inv
-            if model.cache is not None:
-                rows, hit = model.cache.get(table.name, uniq)
-                cached[table.name] = (rows, hit)
-                if not hit.all():
-                    need[table.name] = uniq[~hit]
-                if rows is None:  # a table the budget left uncached
-                    cached.pop(table.name)
-            else:
-                need[table.name] = uniq
-        cache = model.cache  # this request's cache, whatever a refresh swaps in meanwhile
-        epochs = {name: cache.epoch(name) for name in need} if cache is not None else {}
-        n_unique = sum(len(u) for u in uniques.values())
-        self.metrics.lookups.inc(n_unique)
-        n_need = sum(len(v) for v in need.values())
-        if model.cache is not None:
-            self.metrics.cache_hits.inc(n_unique - n_need)
-            self.metrics.cache_misses.inc(n_need)
-        fetched = self.store.get_rows_many(model.version, need) if need else {}
-        pooled = []
-        for f, table in enumerate(spec.tables):
-            name = table.name
-            uniq = uniques[name]
-            if name in cached and cached[name][0] is not None:
-                rows, hit = cached[name]
-                rows = rows.copy()
-            else:
-                rows, hit = np.empty((len(uniq), table.dim), np.float32), np.zeros(len(uniq), bool)
-            if name in fetched:
-                got, present = fetched[name]
-                missing = ~present
-                if missing.any():
-                    self.metrics.unknown_ids.inc(int(missing.sum()))
-                    got[missing] = model.defaults[name]
-                rows[~hit] = got
-                if cache is not None and present.any():
-                    cache.put(name, need[name][present], got[present], epochs[name])
-            weight = torch.from_numpy(rows)  # [U, D_t]
-            inv = torch.from_numpy(inverses[name])
-            lo, hi = offsets[f * batch], offsets[(f + 1) * batch]
-            if hi - lo == batch:  # one id per bag
-                pooled.append(weight[inv])  # [B, D_t]
-            else:
-                bag_offsets = torch.from_numpy(offsets[f * batch : (f + 1) * batch + 1] - lo)
-                pooled.append(nnf.embedding_bag(inv, weight, bag_offsets, mode=table.pooling, include_last_offset=True))
-        return torch.cat(pooled, dim=1)
+        """Pooled embeddings float [B, sum(D_t)] (``api/lookup.py``; benchmarks swap it)."""
+        return embed(self.store, self.metrics, model, ids, offsets, batch)
 
     @torch.inference_mode()
     def score(self, model: ServingModel, dense: np.ndarray, ids: np.ndarray, offsets: np.ndarray) -> list[float]:

@@ -57,8 +57,8 @@ ROWS = 100_000
 
 
 def batches(n: int):
-    from dense_trainer.data.batch import Batch
-    from embedding_server.sparse import SparseFeatures
+    from dlrm_core.batch import Batch
+    from dlrm_core.batch import SparseFeatures
 
     return [Batch(torch.from_numpy(d), SparseFeatures.one_hot(torch.from_numpy(i)), torch.from_numpy(y))
             for d, i, y in tt.make_batches(ROWS, "uniform", n)]

@@ -33,14 +33,16 @@ import torch.multiprocessing as mp
 
 from dense_trainer.config import Config
 from dense_trainer.data.loader import CriteoLoader
+from dlrm_core.errors import ConfigError, DlrmError
+from dlrm_core.logs import setup_logging
 from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.cluster import Roles, join
 from embedding_server.dist_client import DistributedEmbeddingClient
-from embedding_server.errors import ConfigError, DlrmError
 from embedding_server.planner import ShardingPlan, parse_bytes, plan_sharding
 from embedding_server.server import EmbeddingServer
-from embedding_server.tower_layout import TowerLayout
-from embedding_server.towers import TowerPlan
+from embedding_server.towers.layout import TowerLayout
+from embedding_server.towers.plan import TowerPlan
+from embedding_server.towers.stage import TowerClientStage, TowerServerStage
 
 log = logging.getLogger(__name__)
 
@@ -134,18 +136,21 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         if cluster.is_trainer:
             from dense_trainer.train import Trainer
 
+            stage = TowerClientStage(layout, rank, roles.num_servers) if layout is not None else None
             client = DistributedEmbeddingClient(cluster, plan, spec, grad_scale=1.0 / roles.num_trainers,
-                                                exchange_dtype=cfg.dist.exchange_dtype, layout=layout)
+                                                exchange_dtype=cfg.dist.exchange_dtype, stage=stage)
             metrics = Trainer(cfg, out, client=client, cluster=cluster).fit(train, test, resume=resume)
             return metrics if cluster.is_master else None
         # An embedding server outlives signals: it stops when the trainers say so (after their
         # last checkpoint), or when they are gone.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server = EmbeddingServer(cluster, plan, spec, cfg.embedding.optimizer, cfg.train.seed,
-                                 cfg.embedding.init_scale or None, out / "checkpoints", cfg.dist.exchange_dtype,
-                                 cfg.live.store, cfg.live.push_every_s, layout, groups,
-                                 cfg.optim.model_dump(include={"kind", "lr", "eps", "weight_decay"}))
+        stage = None
+        if layout is not None:
+            def stage(server):
+                return TowerServerStage(server, layout, plan, groups, cfg.optim, cfg.train.seed)
+        server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, cfg.train.seed,
+                                 out / "checkpoints", stage)
         if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
             server.restore(ckpt)
         dist.barrier(group=cluster.slow_group)  # every rank restored (however long that took)
@@ -164,8 +169,6 @@ def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: 
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank))
     cfg = Config.model_validate_json(cfg_json)
     os.environ["WORLD_SIZE"] = str(cfg.dist.trainers + cfg.dist.embedding_servers)
-    from dlrm_cli import setup_logging
-
     setup_logging(quiet=rank != 0)  # the master speaks for the job
     try:
         metrics = run_worker(rank, cfg, [Path(f) for f in train], [Path(f) for f in test], Path(out), resume,

@@ -4,10 +4,10 @@
                                          +--InteractionArch--> [B, K] --OverArch--> logit [B]
     embedded [B, sum D_t] (SparseArch) --+
 
-``SparseArch`` is not here: the embeddings come from an ``EmbeddingClient`` (tables in this
+The SparseArch is not here: the embeddings come from an ``EmbeddingClient`` (tables in this
 process or on embedding servers), so this module holds only dense parameters: it is what the
 dense optimizer steps, what DDP wraps, what a checkpoint's ``dense.pt`` and a serving replica
-hold.
+hold. It imports no embedding kernel, so that the serving process can build its network.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import torch
 from torch import nn
 
 from dense_trainer.config import ModelConfig
-from embedding_server.client import EmbeddingClient
-from embedding_server.sparse import SparseFeatures
 
 
 def mlp(sizes: list[int], relu_last: bool) -> nn.Sequential:
@@ -27,16 +25,6 @@ def mlp(sizes: list[int], relu_last: bool) -> nn.Sequential:
         if relu_last or i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
-
-
-class SparseArch:
-    """Pooled embeddings of a batch from an embedding client: -> float [B, sum(D_t)]."""
-
-    def __init__(self, client: EmbeddingClient) -> None:
-        self.client = client
-
-    def __call__(self, sparse: SparseFeatures) -> torch.Tensor:
-        return self.client.lookup(sparse)
 
 
 class DenseArch(nn.Module):
@@ -242,8 +230,8 @@ def build_served_model(cfg: ModelConfig, spec, embedding_dim: int, towers: dict 
     dims = [t.dim for t in spec.tables]
     if not towers:
         return build_dense_model(cfg, len(spec.dense), dims, embedding_dim)
-    from embedding_server.tower_module import TowerModule
-    from embedding_server.towers import TowerPlan
+    from embedding_server.towers.module import TowerModule
+    from embedding_server.towers.plan import TowerPlan
 
     plan = TowerPlan(towers=towers["towers"])
     index = {t.name: i for i, t in enumerate(spec.tables)}

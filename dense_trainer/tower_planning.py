@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dense_trainer.config import Config
-from embedding_server.errors import ConfigError, DataError
+from dlrm_core.errors import ConfigError, DataError
 from embedding_server.planner import piece_bytes
 
 log = logging.getLogger(__name__)

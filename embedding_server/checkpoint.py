@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from embedding_server.errors import CheckpointError
+from dlrm_core.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"

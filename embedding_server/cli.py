@@ -5,49 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
+from dlrm_core.env import fill_from_env, wait_until
+from dlrm_core.errors import ConfigError
+
 log = logging.getLogger(__name__)
-
-ENV_PREFIX = "DLRM_"
-
-
-def fill_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace, required: list[str]) -> None:
-    """Options not given on the command line come from ``DLRM_<OPTION>`` (e.g. ``DLRM_TRAIN``,
-    ``DLRM_EMBEDDING_SERVERS``): containers are configured by environment alone. Lists are
-    whitespace-separated (``DLRM_SET`` is separated by ``;``)."""
-    from embedding_server.errors import ConfigError
-
-    for action in parser._actions:
-        dest = action.dest
-        if dest in ("help", "func", "command") or not action.option_strings:
-            continue
-        current = getattr(args, dest, None)
-        if current not in (None, False, []):
-            continue
-        raw = os.environ.get(ENV_PREFIX + dest.upper())
-        if raw is None or raw == "":
-            continue
-        try:
-            if isinstance(action, argparse._StoreTrueAction):
-                value = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif isinstance(action, argparse._AppendAction):
-                value = [v.strip() for v in raw.split(";") if v.strip()]
-            elif action.nargs in ("+", "*"):
-                value = [(action.type or str)(v) for v in raw.split()]
-            else:
-                value = (action.type or str)(raw)
-        except ValueError:
-            raise ConfigError(f"{ENV_PREFIX}{dest.upper()}={raw!r}: not a valid {action.option_strings[0]}") from None
-        if action.choices is not None and value not in action.choices:
-            raise ConfigError(f"{ENV_PREFIX}{dest.upper()}={raw!r}: choose from {list(action.choices)}")
-        setattr(args, dest, value)
-    for dest in required:
-        if getattr(args, dest, None) in (None, []):
-            raise ConfigError(f"--{dest.replace('_', '-')} (or {ENV_PREFIX}{dest.upper()}) is required")
-
 
 def add_publish_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -67,22 +31,7 @@ def add_publish_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_publish, parser=p)
 
 
-def wait_until(ready, deadline: float, what: str, every_s: float = 1.0) -> None:
-    """Poll ``ready()`` until it is true or ``deadline`` passes (then a clear error)."""
-    from embedding_server.errors import ConfigError
-
-    attempt = 0
-    while not ready():
-        attempt += 1
-        if time.monotonic() > deadline:
-            raise ConfigError(f"gave up waiting for {what}")
-        if attempt % 10 == 1:
-            log.info("waiting for %s", what)
-        time.sleep(every_s)
-
-
 def run_publish(args: argparse.Namespace) -> int:
-    from embedding_server.errors import ConfigError
     from embedding_server.publish import publish_checkpoint
     from embedding_server.stores import StoreUnavailable, open_store
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from embedding_server.errors import ConfigError
+from dlrm_core.errors import ConfigError
 from embedding_server.exchange import Exchange, make_groups
 from embedding_server.topology import Topology, host_label
 

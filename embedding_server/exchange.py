@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from embedding_server.errors import ConfigError
+from dlrm_core.errors import ConfigError
 from embedding_server.topology import Topology
 
 

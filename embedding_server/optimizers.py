@@ -1,4 +1,5 @@
-"""Sparse (embedding) optimizers, fused into the backward pass of a shard.
+"""Optimizers, from one place: the sparse (embedding) optimizers fused into the backward pass of a
+shard, and the dense optimizer factory used by the trainers' networks and the tower modules.
 
 Each optimizer exists twice with the same maths, state names and state shapes:
 in fbgemm's TBE kernels (``EmbOptimType``) and in :func:`apply_sparse_update`, the PyTorch
@@ -11,10 +12,41 @@ first, and only rows that occur in the batch are touched (lazy state, as in Torc
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class DenseOptimizerConfig(BaseModel):
+    """Optimizer of the dense parameters (MLPs and interaction; tower modules on the servers)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    kind: Literal["adam", "adagrad", "sgd"] = "adam"
+    """adam, adagrad or sgd."""
+    lr: float = Field(default=3e-3, gt=0)
+    """Learning rate of the dense parameters."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """L2 weight decay of the dense parameters."""
+    eps: float = Field(default=1e-8, gt=0)
+    """Denominator epsilon of Adam/Adagrad."""
+
+
+def build_dense_optimizer(cfg: DenseOptimizerConfig, params) -> torch.optim.Optimizer | None:
+    """The dense optimizer (fused kernel where the device has one); None without parameters."""
+    params = list(params)
+    if not params:
+        return None
+    kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[cfg.kind]
+    if cfg.kind != "sgd":
+        kwargs["eps"] = cfg.eps
+    try:
+        return cls(params, fused=True, **kwargs)
+    except (RuntimeError, TypeError):  # no fused kernel for this device/dtype
+        return cls(params, foreach=True, **kwargs)
+
 
 SparseOptimizerKind = Literal["rowwise_adagrad", "adagrad", "adam", "sgd"]
 

@@ -21,8 +21,8 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from embedding_server.errors import ConfigError
-from embedding_server.features import FeatureSpec, TableSpec
+from dlrm_core.errors import ConfigError
+from dlrm_core.features import FeatureSpec, TableSpec
 from embedding_server.optimizers import SparseOptimizerKind, state_bytes_per_row
 from embedding_server.shard import LocalTable
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dlrm_core.errors import CheckpointError
+from dlrm_core.features import FeatureSpec
 from embedding_server.checkpoint import latest_checkpoint, load_file, read_manifest
-from embedding_server.errors import CheckpointError
-from embedding_server.features import FeatureSpec
 from embedding_server.shard import LocalTable, init_rows
 from embedding_server.stores.base import ServingStore
 from embedding_server.table_checkpoint import CheckpointTables
-from embedding_server.towers import TowerPlan
+from embedding_server.towers.plan import TowerPlan
 from embedding_server.wire import ModelVersion, RowDtype
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from embedding_server.features import TableSpec
+from dlrm_core.batch import SparseFeatures
+from dlrm_core.features import TableSpec
 from embedding_server.optimizers import SparseOptimizerConfig
-from embedding_server.sparse import SparseFeatures
 from embedding_server.tbe import TBEKernel, fbgemm_supports
 from embedding_server.torch_kernel import TorchKernel
 
@@ -88,7 +88,7 @@ class EmbeddingShard(nn.Module):
         init_scale: initial weights are uniform(+-init_scale); None: +-sqrt(1/rows).
 
     Example:
-        >>> from embedding_server.features import TableSpec
+        >>> from dlrm_core.features import TableSpec
         >>> shard = EmbeddingShard([LocalTable(TableSpec(name="C1", rows=10, dim=4), 0)],
         ...                        SparseOptimizerConfig())
         >>> shard(SparseFeatures.one_hot(torch.tensor([[1, 2, 3]]))).shape

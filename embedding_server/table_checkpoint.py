@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from dlrm_core.errors import CheckpointError
 from embedding_server.checkpoint import load_file, read_manifest
-from embedding_server.errors import CheckpointError
 from embedding_server.shard import EmbeddingShard, LocalTable
 
 ROW_STATES = {"momentum1"}

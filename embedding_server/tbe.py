@@ -11,7 +11,7 @@ import logging
 import torch
 from torch import nn
 
-from embedding_server.features import TableSpec
+from dlrm_core.features import TableSpec
 from embedding_server.optimizers import SparseOptimizerConfig, state_shapes
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from embedding_server.errors import ConfigError
+from dlrm_core.errors import ConfigError
 
 
 @dataclass(frozen=True)

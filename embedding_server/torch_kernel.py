@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as nnf
 from torch import nn
 
-from embedding_server.features import TableSpec
+from dlrm_core.features import TableSpec
 from embedding_server.optimizers import SparseOptimizerConfig, apply_sparse_update, state_shapes
 
 

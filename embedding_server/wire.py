@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from embedding_server.errors import CheckpointError
-from embedding_server.features import FeatureSpec
+from dlrm_core.errors import CheckpointError
+from dlrm_core.features import FeatureSpec
 
 RowDtype = Literal["fp32", "fp16"]
 NUMPY_DTYPE = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2")}

@@ -13,7 +13,7 @@ from embedding_server.checkpoint import (
     read_manifest,
     write_checkpoint,
 )
-from embedding_server.errors import CheckpointError
+from dlrm_core.errors import CheckpointError
 
 
 def test_round_trip_and_latest(tmp_path):

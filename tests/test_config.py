@@ -1,7 +1,7 @@
 import pytest
 
 from dense_trainer.config import Config, load_config, parse_override
-from embedding_server.errors import ConfigError
+from dlrm_core.errors import ConfigError
 
 from .conftest import REPO
 

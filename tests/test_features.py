@@ -2,7 +2,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from embedding_server.features import (
+from dlrm_core.features import (
     FeatureSpec,
     TableSpec,
     criteo_spec,

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from dense_trainer.data.batch import Position
+from dlrm_core.batch import Position
 from dense_trainer.data.loader import CriteoLoader
-from embedding_server.errors import DataError
-from embedding_server.features import criteo_spec
+from dlrm_core.errors import DataError
+from dlrm_core.features import criteo_spec
 
 SPEC = criteo_spec([1000] * 26, [4] * 26)
 

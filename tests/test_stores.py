@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from embedding_server.checkpoint import latest_checkpoint, load_file
-from embedding_server.errors import CheckpointError
+from dlrm_core.errors import CheckpointError
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import StoreUnavailable, open_store
 from embedding_server.table_checkpoint import CheckpointTables
@@ -89,7 +89,7 @@ def test_crash_mid_publish_leaves_previous_version_serving(store, trained_criteo
 
 
 def test_a_version_name_is_never_reused(store, trained_criteo):
-    from embedding_server.errors import ConfigError
+    from dlrm_core.errors import ConfigError
 
     publish_checkpoint(trained_criteo, store, version="once")
     with pytest.raises(ConfigError, match="already has a version 'once'"):

@@ -7,19 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from embedding_server.errors import ConfigError
-from embedding_server.features import FeatureSpec, TableSpec
-from embedding_server.towers import (
-    Tower,
-    TowerPlan,
-    contiguous_towers,
-    cost_balance,
-    describe_towers,
-    interaction_towers,
-    kept_share,
-    make_plan,
-    random_towers,
-)
+from dlrm_core.errors import ConfigError
+from dlrm_core.features import FeatureSpec, TableSpec
+from embedding_server.towers.partition import contiguous_towers, interaction_towers, random_towers
+from embedding_server.towers.plan import Tower, TowerPlan
+from embedding_server.towers.report import cost_balance, describe_towers, kept_share, make_plan
 
 
 def _spec(n: int = 6) -> FeatureSpec:

@@ -15,13 +15,15 @@ from dense_trainer.distributed import launch_local
 from dense_trainer.metrics import roc_auc
 from dense_trainer.train import Trainer
 from embedding_server.checkpoint import latest_checkpoint
-from embedding_server.errors import ConfigError
+from dlrm_core.errors import ConfigError
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import open_store
 from embedding_server.topology import Topology
-from embedding_server.tower_layout import TowerLayout
-from embedding_server.tower_module import TowerModule
-from embedding_server.towers import TowerPlan, contiguous_towers, make_plan
+from embedding_server.towers.layout import TowerLayout
+from embedding_server.towers.module import TowerModule
+from embedding_server.towers.partition import contiguous_towers
+from embedding_server.towers.plan import TowerPlan
+from embedding_server.towers.report import make_plan
 
 from .conftest import REPO, tiny_config
 
@@ -199,10 +201,10 @@ def test_hierarchical_all_to_all_equals_flat(tmp_path):
 
 
 def test_pair_reliance_sees_only_pairs_the_model_uses():
-    from dense_trainer.data.batch import Batch
+    from dlrm_core.batch import Batch
     from dense_trainer.model import DLRMDense
     from dense_trainer.tower_planning import pair_reliance
-    from embedding_server.sparse import SparseFeatures
+    from dlrm_core.batch import SparseFeatures
 
     torch.manual_seed(0)
     cfg = tiny_config().model

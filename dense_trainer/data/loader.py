@@ -25,11 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dense_trainer.data.batch import Batch, Position
-from dense_trainer.data.criteo import BadLineLog, read_raw_blocks
-from embedding_server.criteo_format import BadLine, BlockParser, ParsedBlock
-from embedding_server.features import FeatureSpec
-from embedding_server.sparse import SparseFeatures
+from dlrm_core.batch import Batch, Position, SparseFeatures
+from dlrm_core.features import FeatureSpec
+from dlrm_core.formats.criteo import BadLine, BadLineLog, BlockParser, ParsedBlock, read_raw_blocks
 
 log = logging.getLogger(__name__)
 

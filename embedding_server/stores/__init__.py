@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
-from embedding_server.errors import ConfigError
+from dlrm_core.errors import ConfigError
 from embedding_server.stores.base import (
     ServingStore,
     StoreUnavailable,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from embedding_server.errors import DlrmError
+from dlrm_core.errors import DlrmError
 from embedding_server.wire import ModelVersion
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dlrm_core.errors import ConfigError
 from embedding_server.checkpoint import atomic_write_bytes, fsync_dir
-from embedding_server.errors import ConfigError
 from embedding_server.stores.base import ServingStore, UpdateBatch, VersionNotFound, VersionWriter
 from embedding_server.wire import NUMPY_DTYPE, ModelVersion, decode_state, encode_rows, encode_state
 

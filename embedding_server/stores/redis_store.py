@@ -30,7 +30,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from embedding_server.errors import ConfigError
+from dlrm_core.errors import ConfigError
 from embedding_server.stores.base import (
     ServingStore,
     StoreUnavailable,

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import logging
 
-from embedding_server.errors import ConfigError
-from embedding_server.features import FeatureSpec
+from dlrm_core.errors import ConfigError
+from dlrm_core.features import FeatureSpec
 from embedding_server.optimizers import SparseOptimizerKind
 from embedding_server.planner import ShardingPlan, Strategy, plan_sharding
 from embedding_server.topology import Topology
-from embedding_server.towers import TowerPlan
+from embedding_server.towers.plan import TowerPlan
 
 log = logging.getLogger(__name__)
 

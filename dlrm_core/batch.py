@@ -1,13 +1,15 @@
-"""The id batch that crosses from data to embeddings: a jagged tensor in TBE layout.
+"""A batch of model inputs, as it crosses from data to embeddings and the dense network.
 
-A batch of B examples with F sparse features is F*B bags. Bags are stored feature-major, the
-layout fbgemm's table-batched embedding (TBE) kernels take: bag ``(f, b)`` holds the rows
-``values[offsets[f*B + b] : offsets[f*B + b + 1]]`` of feature f's table.
+``SparseFeatures`` is the id batch: a jagged tensor in TBE layout. A batch of B examples with F
+sparse features is F*B bags, stored feature-major, the layout fbgemm's table-batched embedding
+(TBE) kernels take: bag ``(f, b)`` holds the rows ``values[offsets[f*B + b] : offsets[f*B + b + 1]]``
+of feature f's table. ``Batch`` adds the dense features and labels, and ``Position`` says where in
+the input stream the batch ends, so that a resumed run reads exactly what an uninterrupted one would.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -87,3 +89,52 @@ class SparseFeatures:
 
     def pin_memory(self) -> SparseFeatures:
         return SparseFeatures(self.values.pin_memory(), self.offsets.pin_memory(), self.batch_size)
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the next unread example is: resuming there continues the stream exactly.
+
+    ``block_offset``/``block_line`` locate the start of a parsed block in file ``file_index``
+    (byte offset in the decompressed stream, 1-based line number); ``rows_into_block`` valid
+    rows of that block are already consumed.
+    """
+
+    epoch: int = 0
+    file_index: int = 0
+    block_offset: int = 0
+    block_line: int = 1
+    rows_into_block: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class Batch:
+    """B examples: dense float [B, I], sparse ids of F features, labels float [B]."""
+
+    dense: torch.Tensor
+    sparse: SparseFeatures
+    labels: torch.Tensor
+    position: Position | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.labels.numel()
+
+    def share(self, index: int, parts: int) -> Batch:
+        """Data-parallel share ``index`` of ``parts`` (contiguous, sizes differ by at most one)."""
+        b = self.batch_size
+        start, stop = index * b // parts, (index + 1) * b // parts
+        return Batch(
+            self.dense[start:stop], self.sparse.slice_examples(start, stop), self.labels[start:stop], self.position
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            self.sparse.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            self.position,
+        )

@@ -68,15 +68,3 @@ class TowerModule(nn.Module):
             mixed = mixed @ self.project  # [B, c_t, D']
         pairs = torch.bmm(z, z.transpose(1, 2)).view(b, f * f).index_select(1, self.upper)  # [B, P_t]
         return mixed + self.pairs(pairs).view(b, self.outputs, self.out_dim)
-
-
-def tower_optimizer(params, kind: str, lr: float, eps: float, weight_decay: float) -> torch.optim.Optimizer | None:
-    """The tower module's optimizer: the trainers' dense optimizer, run on the parameter node."""
-    params = list(params)
-    if not params:
-        return None
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=lr, eps=eps, weight_decay=weight_decay)
-    if kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
-    return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)

@@ -1,0 +1,141 @@
+"""The run's report: ``metrics.json``, ``curves.png`` and the table ``dlrm train`` prints.
+
+``metrics.json`` holds the final test AUC and log loss (exact, over the whole test set), the
+Bayes-optimal scores when the test file came from ``dlrm data synth``, throughput, the share of
+time spent waiting for data, parse throughput, peak RSS, the evaluation history and the config;
+distributed runs add all-to-all bytes per sample against the analytical minimum and the step's
+time breakdown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dense_trainer.checkpointing import TrainState
+from dense_trainer.plots import plot_curves
+
+if TYPE_CHECKING:
+    from dense_trainer.train import Trainer
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def write_metrics(trainer: Trainer, final: dict, train_files, test_files, finished: bool,
+                  cluster_stats: dict | None = None) -> dict[str, Any]:
+    """``metrics.json`` and ``curves.png`` (master only); returns the metrics."""
+    s = trainer.state
+    bayes = bayes_beside(test_files)
+    metrics: dict[str, Any] = {
+        "test_auc": final["test_auc"],
+        "test_logloss": final["test_logloss"],
+        "test_rows": final["test_rows"],
+        "train_samples_per_s": s.samples_seen / s.train_seconds if s.train_seconds else math.nan,
+        "samples_seen": s.samples_seen,
+        "steps": s.step,
+        "epochs": trainer.cfg.train.epochs,
+        "completed": finished,
+        "train_seconds": s.train_seconds,
+        "data_wait_share": s.data_wait_seconds / s.train_seconds if s.train_seconds else None,
+        "parse_rows_per_s": s.parse_rows / s.parse_seconds if s.parse_seconds else None,
+        "malformed_lines": s.bad_lines.get("count", 0),
+        "embedding_kernel": trainer.client.kernel,
+        "device": str(trainer.device),
+        "peak_rss_mb": peak_rss_mb(),
+        "bayes_auc": bayes.get("test_auc") if bayes else None,
+        "bayes_logloss": bayes.get("test_logloss") if bayes else None,
+        "train_files": [str(f) for f in train_files],
+        "test_files": [str(f) for f in test_files],
+        "history": s.history,
+        "config": trainer.cfg.model_dump(mode="json"),
+        "trainers": trainer.trainers,
+        "embedding_servers": trainer.cluster.roles.num_servers if trainer.cluster else 0,
+        "step_time_breakdown_ms": {k.removesuffix("_s"): 1e3 * v / max(s.step, 1) for k, v in trainer.timings.items()},
+    }
+    if cfg_losses := trainer.step_losses:
+        metrics["step_losses"] = cfg_losses
+    if cluster_stats is not None:
+        metrics.update(cluster_metrics(cluster_stats, sum(trainer.client.output_dims()), len(trainer.spec.tables), s))
+    if not trainer.is_master:
+        return metrics
+    (trainer.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    title = f"{trainer.cfg.model.kind}/{trainer.cfg.model.interaction}: test AUC {final['test_auc']:.4f}"
+    plot_curves(s.history, trainer.out_dir / "curves.png", title, metrics["bayes_auc"])
+    return metrics
+
+
+
+
+def cluster_metrics(stats: dict, width: int, num_tables: int, state: TrainState) -> dict[str, Any]:
+    """All-to-all traffic per sample against the analytical minimum, and the step's breakdown."""
+    ranks = stats["ranks"]
+    trainer_stats = [r for r in ranks if "client" in r and r["client"]]
+    servers = [r for r in ranks if "server" in r]
+    samples = max(state.samples_seen, 1)
+    out_bytes = sum(r["client"]["bytes_out"] for r in trainer_stats)
+    in_bytes = sum(r["client"]["bytes_in"] for r in trainer_stats)
+    minimum = {"ids": 4 * num_tables, "pooled": 4 * width, "gradients": 4 * width}  # width: sum D_t, or C * D'
+    steps = max(state.step, 1)
+    comm_ms = 1e3 * sum(r["client"]["comm_s"] for r in trainer_stats) / len(trainer_stats) / steps
+    cross = sum(r.get("exchange", {}).get("cross_host_bytes", 0) for r in trainer_stats)
+    cross += sum(r.get("cross_host_bytes", 0) for r in servers)
+    messages = sum(r.get("exchange", {}).get("cross_host_messages", 0) for r in trainer_stats)
+    messages += sum(r.get("cross_host_messages", 0) for r in servers)
+    return {
+        "cross_host_bytes_per_sample": cross / samples,
+        "cross_host_messages_per_step": messages / steps,
+        "alltoall_bytes_per_sample": {
+            "trainers_to_servers": out_bytes / samples,
+            "servers_to_trainers": in_bytes / samples,
+            "analytical_minimum": minimum,
+            "note": "trainers_to_servers counts ids, bag lengths, headers and gradients (training "
+                    "and evaluation lookups); the minimum is one int32 id per feature and the "
+                    "fp32 pooled vectors and their gradients",
+        },
+        "server_time_ms_per_step": {
+            "lookup": 1e3 * max(r["lookup_s"] for r in servers) / steps if servers else 0.0,
+            "update": 1e3 * max(r["update_s"] for r in servers) / steps if servers else 0.0,
+            "tower_module": 1e3 * max(r.get("tower_s", 0.0) for r in servers) / steps if servers else 0.0,
+        },
+        "communication_ms_per_step": comm_ms,
+    }
+
+
+def bayes_beside(test_files: list[Path]) -> dict | None:
+    """The generator's ``bayes.json`` next to a single generated test file, if there is one."""
+    if len(test_files) != 1:
+        return None
+    path = Path(test_files[0]).parent / "bayes.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def format_metrics(m: dict) -> str:
+    rows = [
+        ("test AUC", f"{m['test_auc']:.4f}"),
+        ("test log loss", f"{m['test_logloss']:.4f}"),
+    ]
+    if m.get("bayes_auc") is not None:
+        rows += [("Bayes-optimal AUC", f"{m['bayes_auc']:.4f}"), ("Bayes-optimal log loss", f"{m['bayes_logloss']:.4f}")]
+    rows += [
+        ("train samples/s", f"{m['train_samples_per_s']:,.0f}"),
+        ("parse rows/s (1 thread)", f"{m['parse_rows_per_s']:,.0f}" if m.get("parse_rows_per_s") else "-"),
+        ("time waiting for data", f"{100 * m['data_wait_share']:.1f}%" if m.get("data_wait_share") is not None else "-"),
+        ("samples seen", f"{m['samples_seen']:,}"),
+        ("steps", f"{m['steps']:,}"),
+        ("epochs", str(m["epochs"])),
+        ("malformed lines skipped", str(m["malformed_lines"])),
+        ("embedding kernel", m["embedding_kernel"]),
+        ("peak RSS", f"{m['peak_rss_mb']:,.0f} MB"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["| metric" + " " * (width - 6) + " | value |", "|" + "-" * (width + 2) + "|-------|"]
+    lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Input formats: how files become columns of raw values (one module per format)."""
