@@ -3,17 +3,13 @@ table defaults for rows the store lacks, then pooling per bag as in training."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 import torch.nn.functional as nnf
 
 from api.metrics import ServingMetrics
+from api.model import ServingModel
 from embedding_server.stores import ServingStore
-
-if TYPE_CHECKING:
-    from api.service import ServingModel
 
 
 def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,

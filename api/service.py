@@ -17,60 +17,16 @@ import time
 import numpy as np
 import torch
 
-from api.cache import RowCache
 from api.errors import InputError, ModelNotFound, NotReady
 from api.featurize import featurize_instances, featurize_tsv
 from api.lookup import embed
 from api.metrics import ServingMetrics
+from api.model import ServingModel, build_dense, warm_up
 from api.schemas import PositionalInstance
 from api.settings import Settings
-from dense_trainer.config import ModelConfig
-from dense_trainer.model import build_served_model
-from dlrm_core.features import FeatureSpec
-from dlrm_core.formats.criteo import BlockParser
 from embedding_server.stores import ServingStore
-from embedding_server.wire import ModelVersion
 
 log = logging.getLogger(__name__)
-
-
-def build_dense(meta: ModelVersion, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """The dense network of a version, with its weights, in inference mode."""
-    module = build_served_model(ModelConfig.model_validate(meta.model), meta.spec, meta.embedding_dim, meta.towers)
-    module.load_state_dict(state)
-    module.eval()
-    for p in module.parameters():
-        p.requires_grad_(False)
-    return module
-
-
-@torch.inference_mode()
-def warm_up(dense: torch.nn.Module, meta: ModelVersion) -> None:
-    """Run the network once at a few batch sizes before it takes traffic: the first calls of
-    each kernel are slow, and would otherwise land on the first requests."""
-    width = sum(t.dim for t in meta.spec.tables)
-    for batch in (1, 8, 256):
-        dense(torch.zeros(batch, len(meta.spec.dense)), torch.zeros(batch, width))
-
-
-class ServingModel:
-    """One loaded version: metadata, dense network, default rows, row cache."""
-
-    def __init__(self, meta: ModelVersion, dense: torch.nn.Module, cache_bytes: float, remote: bool) -> None:
-        self.meta = meta
-        self.version = meta.version
-        self.spec: FeatureSpec = meta.spec
-        self.dense = dense
-        self.defaults = {
-            t.name: np.asarray(meta.default_rows.get(t.name, np.zeros(t.dim)), dtype=np.float32)
-            for t in meta.spec.tables
-        }
-        self.cache_bytes = cache_bytes
-        self.cache = self.new_cache() if remote and cache_bytes > 0 else None
-        self.parser = BlockParser(meta.spec, ["request body"])
-
-    def new_cache(self) -> RowCache:
-        return RowCache([(t.name, t.rows, t.dim) for t in self.spec.tables], self.cache_bytes)
 
 
 class ModelService:

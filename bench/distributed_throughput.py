@@ -57,8 +57,7 @@ ROWS = 100_000
 
 
 def batches(n: int):
-    from dlrm_core.batch import Batch
-    from dlrm_core.batch import SparseFeatures
+    from dlrm_core.batch import Batch, SparseFeatures
 
     return [Batch(torch.from_numpy(d), SparseFeatures.one_hot(torch.from_numpy(i)), torch.from_numpy(y))
             for d, i, y in tt.make_batches(ROWS, "uniform", n)]
@@ -98,7 +97,7 @@ def ours_rank(rank: int, servers: int, trainers: int, exchange: str, port: int, 
         if rank == 0:
             Path(out).write_text(json.dumps({"step_s": times, "client": client.stats, "rss_mb": tt.peak_rss_mb()}))
     else:
-        server = EmbeddingServer(cluster, plan, spec, cfg.embedding.optimizer, 0, cfg.embedding.init_scale, Path(tempfile.mkdtemp()), exchange)
+        server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp()))
         server.serve()
         dist.gather_object({"rank": rank}, None, dst=0)
     dist.destroy_process_group()

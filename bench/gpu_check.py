@@ -98,7 +98,7 @@ def disaggregated_rank(rank: int, port: int, steps: int, warmup: int, out: str) 
         result["communication_ms"] = 1e3 * client.stats["comm_s"] / (steps + warmup)
         Path(out).write_text(json.dumps(result))
     else:
-        server = EmbeddingServer(cluster, plan, spec, cfg.embedding.optimizer, 0, cfg.embedding.init_scale, Path(tempfile.mkdtemp()))
+        server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp()))
         server.serve()
         result = None
     dist.destroy_process_group()

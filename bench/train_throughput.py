@@ -84,9 +84,8 @@ def time_steps(step, batches, warmup: int, steps: int) -> list[float]:
 
 def worker_ours(args) -> dict:
     from dense_trainer.config import load_config
-    from dlrm_core.batch import Batch
     from dense_trainer.train import Trainer
-    from dlrm_core.batch import SparseFeatures
+    from dlrm_core.batch import Batch, SparseFeatures
 
     cfg = load_config(None, [{
         "embedding": {"dim": DIM, "hash_size": args.rows, "optimizer": {"kind": "rowwise_adagrad", "lr": SPARSE_LR}},

@@ -13,12 +13,15 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
+from dense_trainer.config import Config
 from dlrm_core.batch import Position
 from dlrm_core.errors import CheckpointError
+from dlrm_core.features import FeatureSpec
 from embedding_server.checkpoint import (
     finalize_checkpoint,
     load_file,
@@ -26,9 +29,7 @@ from embedding_server.checkpoint import (
     read_manifest,
     save_file,
 )
-
-if TYPE_CHECKING:
-    from dense_trainer.train import Trainer
+from embedding_server.client import EmbeddingClient
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,23 @@ class TrainState:
         )
 
 
-def compat_meta(trainer: Trainer) -> dict[str, Any]:
+class Checkpointed(Protocol):
+    """What a checkpoint is made of: the trainer (``train.py``) as seen from here."""
+
+    cfg: Config
+    spec: FeatureSpec
+    client: EmbeddingClient
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    towers: Any  # TowerLayout | None
+    is_master: bool
+    checkpoint_dir: Path
+
+    def wait_for_master(self) -> None: ...
+
+
+def compat_meta(trainer: Checkpointed) -> dict[str, Any]:
     """What must match between a checkpoint and the model restoring it."""
     cfg, layout = trainer.cfg, trainer.towers
     return {
@@ -79,7 +96,7 @@ def compat_meta(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def save_checkpoint(trainer: Trainer) -> Path:
+def save_checkpoint(trainer: Checkpointed) -> Path:
     """Every trainer calls this at the same step; the master makes the checkpoint current."""
     s = trainer.state
     # The master empties the partial directory before anyone writes into it (servers write
@@ -101,7 +118,7 @@ def save_checkpoint(trainer: Trainer) -> Path:
     return path
 
 
-def load_checkpoint(trainer: Trainer, path: Path) -> TrainState:
+def load_checkpoint(trainer: Checkpointed, path: Path) -> TrainState:
     """Restore tables, dense model, optimizer and RNG from ``path``; return the run's state."""
     manifest = read_manifest(path)
     saved, mine = manifest["meta"], compat_meta(trainer)

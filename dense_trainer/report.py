@@ -13,22 +13,20 @@ import json
 import math
 import resource
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dense_trainer.checkpointing import TrainState
 from dense_trainer.plots import plot_curves
-
-if TYPE_CHECKING:
-    from dense_trainer.train import Trainer
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def write_metrics(trainer: Trainer, final: dict, train_files, test_files, finished: bool,
+def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
                   cluster_stats: dict | None = None) -> dict[str, Any]:
-    """``metrics.json`` and ``curves.png`` (master only); returns the metrics."""
+    """``metrics.json`` and ``curves.png`` (master only) of ``trainer`` (``train.Trainer``, which
+    calls this); returns the metrics."""
     s = trainer.state
     bayes = bayes_beside(test_files)
     metrics: dict[str, Any] = {

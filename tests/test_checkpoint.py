@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import embedding_server.checkpoint as ckpt
+from dlrm_core.errors import CheckpointError
 from embedding_server.checkpoint import (
     atomic_write_bytes,
     latest_checkpoint,
@@ -13,7 +14,6 @@ from embedding_server.checkpoint import (
     read_manifest,
     write_checkpoint,
 )
-from dlrm_core.errors import CheckpointError
 
 
 def test_round_trip_and_latest(tmp_path):

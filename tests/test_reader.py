@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlrm_core.batch import Position
 from dense_trainer.data.loader import CriteoLoader
+from dlrm_core.batch import Position
 from dlrm_core.errors import DataError
 from dlrm_core.features import criteo_spec
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 import embedding_server.shard as shard_mod
-from embedding_server.client import InProcessEmbeddingClient
+from dlrm_core.batch import SparseFeatures
 from dlrm_core.features import TableSpec
+from embedding_server.client import InProcessEmbeddingClient
 from embedding_server.optimizers import SparseOptimizerConfig, apply_sparse_update
 from embedding_server.shard import EmbeddingShard, LocalTable, init_rows
-from dlrm_core.batch import SparseFeatures
 from embedding_server.tbe import FBGEMM_IMPORT_ERROR
 
 TABLES = [

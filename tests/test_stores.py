@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from embedding_server.checkpoint import latest_checkpoint, load_file
 from dlrm_core.errors import CheckpointError
+from embedding_server.checkpoint import latest_checkpoint, load_file
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import StoreUnavailable, open_store
 from embedding_server.table_checkpoint import CheckpointTables

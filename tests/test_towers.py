@@ -14,8 +14,8 @@ from api.settings import Settings
 from dense_trainer.distributed import launch_local
 from dense_trainer.metrics import roc_auc
 from dense_trainer.train import Trainer
-from embedding_server.checkpoint import latest_checkpoint
 from dlrm_core.errors import ConfigError
+from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import open_store
 from embedding_server.topology import Topology
@@ -201,10 +201,9 @@ def test_hierarchical_all_to_all_equals_flat(tmp_path):
 
 
 def test_pair_reliance_sees_only_pairs_the_model_uses():
-    from dlrm_core.batch import Batch
     from dense_trainer.model import DLRMDense
     from dense_trainer.tower_planning import pair_reliance
-    from dlrm_core.batch import SparseFeatures
+    from dlrm_core.batch import Batch, SparseFeatures
 
     torch.manual_seed(0)
     cfg = tiny_config().model
