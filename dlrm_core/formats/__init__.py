@@ -1,1 +1,117 @@
-"""Input formats: how files become columns of raw values (one module per format)."""
+"""Input formats: how files become featurised blocks of rows (one module per format).
+
+    delimited.py   criteo (TSV, no header), csv and tsv (a header line, quoted fields)
+    parquet.py     Parquet row groups (list columns are multi-hot)
+
+:class:`InputReader` puts a format and the featuriser (``dlrm_core/featurize.py``) together:
+``blocks()`` yields raw blocks on the format's fixed grid (exact resume positions), ``parse()``
+turns one into a :class:`~dlrm_core.featurize.ParsedBlock` (thread-safe: the loader calls it
+from worker threads).
+"""
+
+from __future__ import annotations
+
+import csv
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from dlrm_core.errors import DataError
+from dlrm_core.featurize import LABEL, Featurizer, ParsedBlock
+from dlrm_core.formats.base import FileLayout, RawBlock, check_files, feature_positions, open_stream
+from dlrm_core.formats.delimited import DelimitedFormat
+from dlrm_core.formats.parquet import ParquetFormat
+from dlrm_core.schema import FeatureSpec
+
+__all__ = ["InputReader", "RawBlock", "check_files", "open_format", "open_stream"]
+
+
+def open_format(spec: FeatureSpec) -> DelimitedFormat | ParquetFormat:
+    return ParquetFormat(spec) if spec.format == "parquet" else DelimitedFormat(spec)
+
+
+class InputReader:
+    """Reads the input files of one feature spec.
+
+    Args:
+        spec: the schema (format, columns, features).
+        files: the input files, in order (``file_index`` counts in this list).
+        with_label: the input has a label column (training and test files do; requests may not).
+    """
+
+    def __init__(self, spec: FeatureSpec, files: list[Path], with_label: bool = True) -> None:
+        self.spec = spec
+        self.files = [Path(f) for f in files]
+        self.format = open_format(spec)
+        self.featurizer = Featurizer(spec, with_label)
+        self.with_label = with_label
+        self._layouts: dict[int, FileLayout] = {}
+        self._lock = threading.Lock()
+
+    def layout(self, file_index: int) -> FileLayout:
+        """Where the schema's columns are in file ``file_index`` (read once)."""
+        with self._lock:
+            if file_index not in self._layouts:
+                path = self.files[file_index]
+                names = self.format.column_names(path)
+                positions = feature_positions(self.spec, names, str(path), self.with_label)
+                layout = FileLayout(path, names, positions)
+                if isinstance(self.format, ParquetFormat):
+                    self.format.check_types(layout)
+                self._layouts[file_index] = layout
+            return self._layouts[file_index]
+
+    def check(self) -> None:
+        """Open every file and find the schema's columns in it (fail early, naming file and column)."""
+        check_files(self.files, "input")
+        for i in range(len(self.files)):
+            self.layout(i)
+
+    def blocks(self, file_index: int, block_bytes: int, offset: int = 0, line: int = 1) -> Iterator[RawBlock]:
+        """Raw blocks of one file from ``offset`` (a block boundary) on."""
+        yield from self.format.blocks(self.layout(file_index), file_index, block_bytes, offset, line)
+
+    def parse(self, raw: RawBlock) -> ParsedBlock:
+        layout = self.layout(raw.file_index)
+        name = str(self.files[raw.file_index])
+        columns, n, lines, bad = self.format.parse(raw, layout, name)
+        return self.featurizer(columns, n, lines, name, bad)
+
+
+class LineParser:
+    """Lines in a model's own input layout, as a request sends them (``:predict_tsv``), with or
+    without the label column. Parquet models take tab-separated lines in the schema's column order.
+    """
+
+    def __init__(self, spec: FeatureSpec) -> None:
+        if not spec.columns:
+            raise DataError("the model's spec lists no input columns: it cannot parse lines")
+        self.spec = spec
+        self.names = list(spec.columns)
+        text_spec = spec if spec.format != "parquet" else spec.model_copy(update={"format": "tsv", "delimiter": "\t"})
+        self.format = DelimitedFormat(text_spec.model_copy(update={"header": False}))
+        self.with_label = FileLayout(Path("request"), self.names, feature_positions(spec, self.names, "request"))
+        without = [n for i, n in enumerate(self.names) if i != self.with_label.positions[LABEL]]
+        self.without_label = FileLayout(Path("request"), without, feature_positions(spec, without, "request", False))
+        self.featurize = {True: Featurizer(spec, True), False: Featurizer(spec, False)}
+
+    def fields(self, first_line: bytes) -> int:
+        text = first_line.decode("utf-8", errors="replace").rstrip("\r\n")
+        if self.format.quoted:
+            return len(next(csv.reader([text], delimiter=self.format.delimiter)))
+        return text.count(self.format.delimiter) + 1
+
+    def parse(self, text: bytes, name: str = "request") -> ParsedBlock:
+        """Lines -> featurised rows; the label column is optional (all lines alike)."""
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise DataError(f"{name}: no lines")
+        fields = self.fields(lines[0])
+        if fields not in (len(self.names), len(self.names) - 1):
+            raise DataError(f"line 1: expected {len(self.names) - 1} fields (without the label) or "
+                            f"{len(self.names)} (with it), got {fields}")
+        labelled = fields == len(self.names)
+        layout = self.with_label if labelled else self.without_label
+        raw = RawBlock(0, 0, 1, b"\n".join(lines) + b"\n", len(lines))
+        columns, n, line_numbers, bad = self.format.parse(raw, layout, name)
+        return self.featurize[labelled](columns, n, line_numbers, name, bad)
