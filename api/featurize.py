@@ -1,106 +1,129 @@
-"""Requests -> model inputs: JSON instances and TSV lines, through the training code path.
+"""Requests -> model inputs: JSON instances and delimited lines, through the training code path.
 
 Featurising (hashing categoricals into rows, transforming dense values) is the very code the
-trainer runs (``dlrm_core``), so a row scores the same offline and online.
+trainer runs (``dlrm_core/featurize.py``), so a row scores the same offline and online: JSON
+values become the same arrow columns a file's parser would produce (an integer of a ``hex``
+feature as its hex spelling, of others as its decimal spelling; a list as a multi-hot bag),
+lines go through the model's own input format.
 """
 
 from __future__ import annotations
-
-import itertools
 
 import numpy as np
 import pyarrow as pa
 
 from api.errors import InputError
-from dlrm_core.features import FeatureSpec, featurize
-from dlrm_core.formats.criteo import BlockParser, RawBlock
+from dlrm_core.errors import DataError
+from dlrm_core.featurize import Featurizer, ParsedBlock
+from dlrm_core.formats import LineParser
+from dlrm_core.schema import CategoricalFeature, FeatureSpec
+
+ModelInputs = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""(dense float32 [B, I], ids int64 of all bags, feature-major, offsets int64 [F*B + 1])."""
 
 
-def instances_to_arrays(spec: FeatureSpec, instances: list) -> tuple[np.ndarray, list[str], np.ndarray]:
-    """Validated instances -> raw dense float64 [B, I] (NaN missing), bag values, lengths [B, F]."""
-    n_dense, n_sparse = len(spec.dense), len(spec.tables)
-    dense_rows: list[list] = []
-    sparse_rows: list[list] = []
-    index = {name: ("dense", j) for j, name in enumerate(spec.dense)}
-    index.update({name: ("sparse", j) for j, name in enumerate(spec.sparse)})
+def _text(value, feat: CategoricalFeature) -> str:
+    if isinstance(value, str):
+        return value
+    return format(value, "x") if feat.encoding == "hex" and value >= 0 else str(value)
+
+
+def _bag(value, feat: CategoricalFeature) -> list[str]:
+    """A multi-hot value as the list of its values (a delimited string split as the file's)."""
+    if value is None:
+        return []
+    if isinstance(value, list):
+        return [_text(v, feat) for v in value]
+    text = _text(value, feat)
+    if feat.separator is None:
+        return [text]
+    return text.split(feat.separator)
+
+
+def _rows(spec: FeatureSpec, instances: list) -> tuple[list[list], list[list]]:
+    """Named or positional instances -> per example, its dense and categorical values in spec order."""
+    n_dense, n_cat = len(spec.dense), len(spec.categorical)
+    index = {f.name: ("dense", j) for j, f in enumerate(spec.dense)}
+    index.update({f.name: ("categorical", j) for j, f in enumerate(spec.categorical)})
+    dense_rows, cat_rows = [], []
     for i, inst in enumerate(instances):
         if isinstance(inst, dict):  # named
-            dense, sparse = [None] * n_dense, [None] * n_sparse
+            dense, cats = [None] * n_dense, [None] * n_cat
             for key, value in inst.items():
                 kind = index.get(key)
                 if kind is None:
                     raise InputError(f"instances.{i}.{key}", "unknown feature name")
                 if kind[0] == "dense":
-                    if value is not None and not isinstance(value, float | int):
+                    if value is not None and (not isinstance(value, float | int) or isinstance(value, bool)):
                         raise InputError(f"instances.{i}.{key}", "a dense feature must be a number or null")
                     dense[kind[1]] = value
                 else:
-                    if isinstance(value, float):
-                        raise InputError(f"instances.{i}.{key}", "a categorical must be hex, an integer, a list or null")
-                    sparse[kind[1]] = value
+                    if isinstance(value, float | bool):
+                        raise InputError(f"instances.{i}.{key}",
+                                         "a categorical must be a string, an integer, a list or null")
+                    cats[kind[1]] = value
         else:
-            dense, sparse = inst.dense, inst.sparse
+            dense, cats = inst.dense, inst.sparse
             if len(dense) != n_dense:
                 raise InputError(f"instances.{i}.dense", f"expected {n_dense} values, got {len(dense)}")
-            if len(sparse) != n_sparse:
-                raise InputError(f"instances.{i}.sparse", f"expected {n_sparse} values, got {len(sparse)}")
+            if len(cats) != n_cat:
+                raise InputError(f"instances.{i}.sparse", f"expected {n_cat} values, got {len(cats)}")
         dense_rows.append(dense)
-        sparse_rows.append(sparse)
-    dense_arr = pa.array(itertools.chain.from_iterable(dense_rows), type=pa.float64())
-    dense_np = dense_arr.to_numpy(zero_copy_only=False).reshape(len(instances), n_dense)
-    values: list[str] = []
-    lengths = np.ones((len(instances), n_sparse), dtype=np.int64)
-    for i, row in enumerate(sparse_rows):
-        for j, v in enumerate(row):
-            if isinstance(v, str):
-                values.append(v)
-            elif v is None:
-                values.append("")
-            elif isinstance(v, int):
-                values.append(format(v, "x"))
-            else:  # a multi-hot bag
-                bag = [x if isinstance(x, str) else format(x, "x") for x in v] or [""]
-                values.extend(bag)
-                lengths[i, j] = len(bag)
-    return dense_np, values, lengths
+        cat_rows.append(cats)
+    return dense_rows, cat_rows
 
 
+def instances_to_columns(spec: FeatureSpec, instances: list) -> tuple[dict[str, pa.Array], bool]:
+    """Validated instances -> (one arrow column per feature, whether any is a bag)."""
+    dense_rows, cat_rows = _rows(spec, instances)
+    columns: dict[str, pa.Array] = {}
+    for j, feat in enumerate(spec.dense):
+        columns[feat.name] = pa.array([row[j] for row in dense_rows], type=pa.float64())
+    any_bag = False
+    for j, feat in enumerate(spec.categorical):
+        values = [row[j] for row in cat_rows]
+        if feat.separator is not None or any(isinstance(v, list) for v in values):
+            columns[feat.name] = pa.array([_bag(v, feat) for v in values], type=pa.list_(pa.string()))
+            any_bag = True
+        else:
+            columns[feat.name] = pa.array([None if v is None else _text(v, feat) for v in values], type=pa.string())
+    return columns, any_bag
 
-def featurize_instances(spec: FeatureSpec, instances: list):
-    """JSON instances -> (dense float32 [B, I], ids int64 (feature-major), offsets [F*B + 1])."""
-    dense, values, lengths = instances_to_arrays(spec, instances)
-    dense_t, ids, offsets, bad = featurize(spec, dense, values, lengths)
-    if len(bad):  # schema validation makes this unreachable for JSON; kept for safety
-        raise InputError("instances", f"{len(bad)} categorical value(s) are not hex")
-    return dense_t, ids, offsets
+
+def featurize_instances(spec: FeatureSpec, featurizer: Featurizer, instances: list) -> ModelInputs:
+    """JSON instances -> model inputs; a bad value is a 422 naming ``instances.<i>.<feature>``."""
+    columns, any_bag = instances_to_columns(spec, instances)
+    n = len(instances)
+    parsed = featurizer(columns, n, np.arange(1, n + 1, dtype=np.int64), "instances",
+                        multi_hot=any_bag or featurizer.multi_hot)
+    if parsed.bad:
+        b = parsed.bad[0]
+        raise InputError(_field(spec, instances, b.line - 1, b.field), b.reason)
+    return parsed.model_inputs()
 
 
+def _field(spec: FeatureSpec, instances: list, i: int, feature: str | None) -> str:
+    """Where a bad value is: ``instances.3.site_id``, or ``instances.3.sparse.5`` when positional."""
+    if feature is None:
+        return f"instances.{i}"
+    if isinstance(instances[i], dict):
+        return f"instances.{i}.{feature}"
+    if feature in spec.dense_names:
+        return f"instances.{i}.dense.{spec.dense_names.index(feature)}"
+    return f"instances.{i}.sparse.{spec.sparse_names.index(feature)}"
 
-def featurize_tsv(spec: FeatureSpec, parser: BlockParser, text: bytes):
-    """Criteo TSV lines (with or without the label column) -> model inputs."""
-    lines = text.splitlines()
-    if not lines or all(not line.strip() for line in lines):
-        raise InputError("body", "no lines")
-    width = spec.num_columns
-    fixed = []
-    for n, line in enumerate(lines, start=1):
-        fields = line.count(b"\t") + 1
-        if fields == width - 1:  # no label column
-            line = b"0\t" + line
-        elif fields != width:
-            raise InputError(f"line {n}", f"expected {width - 1} or {width} tab-separated fields, got {fields}")
-        fixed.append(line)
-    parsed = parser.parse(RawBlock(0, 0, 1, b"\n".join(fixed) + b"\n", len(fixed)))
+
+def featurize_lines(parser: LineParser, text: bytes, max_lines: int) -> tuple[ModelInputs, int]:
+    """Lines in the model's input layout -> (model inputs, rows); a bad line is a 422 naming it."""
+    if text.count(b"\n") > max_lines + 1:
+        raise InputError("body", f"more than {max_lines} lines, at most {max_lines} per request")
+    try:
+        parsed: ParsedBlock = parser.parse(text, "body")
+    except DataError as exc:
+        message = str(exc)
+        field, _, reason = message.partition(": ")
+        raise InputError(field if field.startswith("line") else "body", reason or message) from None
     if parsed.bad:
         b = parsed.bad[0]
         raise InputError(f"line {b.line}", b.reason)
-    n = parsed.num_rows
-    if parsed.ids is not None:
-        ids = parsed.ids.reshape(-1)
-        offsets = np.arange(ids.size + 1, dtype=np.int64)
-    else:
-        ids = np.concatenate(parsed.values)
-        offsets = np.zeros(parsed.lengths.size + 1, dtype=np.int64)
-        np.cumsum(parsed.lengths.reshape(-1), out=offsets[1:])
-    return parsed.dense, ids, offsets, n
-
+    return parsed.model_inputs(), parsed.num_rows

@@ -1,5 +1,6 @@
-"""Row lookups of one request: the row cache, one round trip to the store for the misses, the
-table defaults for rows the store lacks, then pooling per bag as in training."""
+"""Row lookups of one request: per table, the distinct rows its features ask for go through the
+row cache, the misses of every table to the store in one round trip, the table's default row
+where the store lacks one; then each feature's bags are pooled as in training."""
 
 from __future__ import annotations
 
@@ -12,60 +13,77 @@ from api.model import ServingModel
 from embedding_server.stores import ServingStore
 
 
-def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
-          batch: int) -> torch.Tensor:
-    """Pooled embeddings float [B, sum(D_t)] of a feature-major id batch."""
+def _table_rows(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int):
+    """Per table: its distinct rows over all its features, and each feature's ids as indices into them."""
     spec = model.spec
-    uniques, inverses = {}, {}
-    need: dict[str, np.ndarray] = {}
-    cached: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for f, table in enumerate(spec.tables):
-        t_ids = ids[offsets[f * batch] : offsets[(f + 1) * batch]]
-        uniq, inv = np.unique(t_ids, return_inverse=True)
-        uniques[table.name], inverses[table.name] = uniq, inv
-        if model.cache is not None:
-            rows, hit = model.cache.get(table.name, uniq)
-            cached[table.name] = (rows, hit)
-            if not hit.all():
-                need[table.name] = uniq[~hit]
-            if rows is None:  # a table the budget left uncached
-                cached.pop(table.name)
-        else:
-            need[table.name] = uniq
+    per_table: dict[int, list[int]] = {}
+    for f, t in enumerate(spec.feature_tables):
+        per_table.setdefault(t, []).append(f)
+    uniques, inverse = {}, {}
+    for t, feats in per_table.items():
+        parts = [ids[offsets[f * batch] : offsets[(f + 1) * batch]] for f in feats]
+        uniq, inv = np.unique(np.concatenate(parts) if len(parts) > 1 else parts[0], return_inverse=True)
+        uniques[t] = uniq
+        cuts = np.cumsum([len(p) for p in parts])[:-1]
+        for f, part in zip(feats, np.split(inv, cuts), strict=True):
+            inverse[f] = part
+    return uniques, inverse
+
+
+def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, uniques: dict[int, np.ndarray]
+           ) -> dict[int, np.ndarray]:
+    """Rows float32 [U_t, D_t] of every table's distinct ids: cache, store, defaults."""
+    tables = model.spec.tables
     cache = model.cache  # this request's cache, whatever a refresh swaps in meanwhile
+    out: dict[int, np.ndarray] = {}
+    hits: dict[int, np.ndarray] = {}
+    need: dict[str, np.ndarray] = {}
+    for t, uniq in uniques.items():
+        rows, hit = cache.get(tables[t].name, uniq) if cache is not None else (None, np.zeros(len(uniq), bool))
+        out[t] = rows.copy() if rows is not None else np.empty((len(uniq), tables[t].dim), np.float32)
+        hits[t] = hit
+        if not hit.all():
+            need[tables[t].name] = uniq[~hit]
     epochs = {name: cache.epoch(name) for name in need} if cache is not None else {}
     n_unique = sum(len(u) for u in uniques.values())
-    metrics.lookups.inc(n_unique)
     n_need = sum(len(v) for v in need.values())
-    if model.cache is not None:
+    metrics.lookups.inc(n_unique)
+    if cache is not None:
         metrics.cache_hits.inc(n_unique - n_need)
         metrics.cache_misses.inc(n_need)
     fetched = store.get_rows_many(model.version, need) if need else {}
+    for t in uniques:
+        name = tables[t].name
+        if name not in fetched:
+            continue
+        got, present = fetched[name]
+        missing = ~present
+        if missing.any():
+            metrics.unknown_ids.inc(int(missing.sum()))
+            got[missing] = model.defaults[name]
+        out[t][~hits[t]] = got
+        if cache is not None and present.any():
+            cache.put(name, need[name][present], got[present], epochs[name])
+    return out
+
+
+def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
+          batch: int) -> torch.Tensor:
+    """Pooled embeddings float [B, sum(D_f)] of a feature-major id batch."""
+    spec = model.spec
+    uniques, inverse = _table_rows(model, ids, offsets, batch)
+    rows = _fetch(store, metrics, model, uniques)
     pooled = []
-    for f, table in enumerate(spec.tables):
-        name = table.name
-        uniq = uniques[name]
-        if name in cached and cached[name][0] is not None:
-            rows, hit = cached[name]
-            rows = rows.copy()
-        else:
-            rows, hit = np.empty((len(uniq), table.dim), np.float32), np.zeros(len(uniq), bool)
-        if name in fetched:
-            got, present = fetched[name]
-            missing = ~present
-            if missing.any():
-                metrics.unknown_ids.inc(int(missing.sum()))
-                got[missing] = model.defaults[name]
-            rows[~hit] = got
-            if cache is not None and present.any():
-                cache.put(name, need[name][present], got[present], epochs[name])
-        weight = torch.from_numpy(rows)  # [U, D_t]
-        inv = torch.from_numpy(inverses[name])
+    for f, t in enumerate(spec.feature_tables):
+        weight = torch.from_numpy(rows[t])  # [U_t, D_t]
+        inv = torch.from_numpy(inverse[f])
         lo, hi = offsets[f * batch], offsets[(f + 1) * batch]
         if hi - lo == batch:  # one id per bag
             pooled.append(weight[inv])  # [B, D_t]
         else:
             bag_offsets = torch.from_numpy(offsets[f * batch : (f + 1) * batch + 1] - lo)
-            pooled.append(nnf.embedding_bag(inv, weight, bag_offsets, mode=table.pooling, include_last_offset=True))
+            pooled.append(nnf.embedding_bag(inv, weight, bag_offsets, mode=spec.tables[t].pooling,
+                                            include_last_offset=True))
+    if not pooled:
+        return torch.zeros(batch, 0)
     return torch.cat(pooled, dim=1)
-

@@ -9,8 +9,9 @@ import torch
 from api.cache import RowCache
 from dense_trainer.config import ModelConfig
 from dense_trainer.model import build_served_model
-from dlrm_core.features import FeatureSpec
-from dlrm_core.formats.criteo import BlockParser
+from dlrm_core.featurize import Featurizer
+from dlrm_core.formats import LineParser
+from dlrm_core.schema import FeatureSpec
 from embedding_server.wire import ModelVersion
 
 
@@ -28,7 +29,7 @@ def build_dense(meta: ModelVersion, state: dict[str, torch.Tensor]) -> torch.nn.
 def warm_up(dense: torch.nn.Module, meta: ModelVersion) -> None:
     """Run the network once at a few batch sizes before it takes traffic: the first calls of
     each kernel are slow, and would otherwise land on the first requests."""
-    width = sum(t.dim for t in meta.spec.tables)
+    width = sum(meta.spec.feature_dims)
     for batch in (1, 8, 256):
         dense(torch.zeros(batch, len(meta.spec.dense)), torch.zeros(batch, width))
 
@@ -47,7 +48,9 @@ class ServingModel:
         }
         self.cache_bytes = cache_bytes
         self.cache = self.new_cache() if remote and cache_bytes > 0 else None
-        self.parser = BlockParser(meta.spec, ["request body"])
+        self.featurizer = Featurizer(meta.spec, with_label=False)
+        self.lines = LineParser(meta.spec) if meta.spec.columns else None
+        """Parses lines in the model's input layout (None: the version does not record its columns)."""
 
     def new_cache(self) -> RowCache:
         return RowCache([(t.name, t.rows, t.dim) for t in self.spec.tables], self.cache_bytes)

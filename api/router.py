@@ -7,6 +7,7 @@ import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -53,18 +54,20 @@ def predict(name: str, body: PredictRequest, service: ServiceDep) -> PredictResp
 @models.post(
     "/{name}:predict_tsv",
     response_model=PredictResponse,
-    summary="Score Criteo TSV lines",
+    summary="Score lines in the model's input format",
     openapi_extra={
         "requestBody": {
             "required": True,
             "content": {"text/plain": {"schema": {"type": "string"}}},
-            "description": "One example per line: [label TAB] I1..I13 TAB C1..C26 (empty = missing).",
+            "description": "One example per line, in the layout of the model's training files (TSV for "
+            "Criteo, CSV lines for a CSV model, without the header), with or without the label column; "
+            "empty = missing.",
         }
     },
 )
 async def predict_tsv(name: str, request: Request, service: ServiceDep) -> PredictResponse:
     text = await request.body()
-    predictions, version = service.predict_tsv(name, text)
+    predictions, version = await run_in_threadpool(service.predict_tsv, name, text)  # off the event loop
     return PredictResponse(predictions=predictions, model_version=version)
 
 
@@ -75,7 +78,9 @@ def model_info(name: str, service: ServiceDep) -> ModelInfo:
     meta = model.meta
     return ModelInfo(
         name=name, model_version=meta.version, published_at=meta.created_at, step=meta.step,
-        row_dtype=meta.row_dtype, dense_features=meta.spec.dense, sparse_features=meta.spec.sparse,
+        row_dtype=meta.row_dtype, format=meta.spec.format, dense_features=meta.spec.dense_names,
+        sparse_features=meta.spec.sparse_names,
+        features=[f.model_dump(exclude_none=True) for f in [*meta.spec.dense, *meta.spec.categorical]],
         tables=[t.model_dump() for t in meta.spec.tables], model=meta.model,
     )
 

@@ -2,12 +2,15 @@
 
 ``POST /v1/models/{name}:predict`` takes ``{"instances": [...]}``; an instance is either
 
-* positional: ``{"dense": [13 numbers or null], "sparse": [26 values]}``, or
-* named: ``{"I1": 3, ..., "C1": "68fd1e64", ...}`` (absent names are missing values),
+* named by feature: ``{"site_id": "1fbe01fe", "hour": 14102100, "tags": ["a", "b"], "price": 3.5}``
+  (absent names are missing values), or
+* positional: ``{"dense": [numbers or null], "sparse": [values]}``, in the schema's order,
 
-where a sparse value is a hex string (``"68fd1e64"``; ``""`` is missing), a non-negative integer
-(the same value as its hex spelling), a list of those (a multi-hot bag) or null (missing).
-Types are checked here; lengths and names are checked against the served model's feature spec.
+where a categorical value is a string, an integer (a ``hex`` feature's integer is the value of its
+hex spelling, others' the value of their decimal spelling), a list of those or the file's
+delimited string (a multi-hot bag; ``[]``, ``""`` and null are an empty bag) or null (missing).
+Types are checked here; names, lengths and values against the served model's feature spec (the
+OpenAPI schema at ``/docs`` lists the served model's features).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstrai
 MAX_BAG = 1024
 MAX_FIELDS = 1024
 
-HexString = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{0,16}$")]
-UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1, strict=True)]
-Categorical = HexString | UInt64
+MAX_VALUE_CHARS = 1024
+Text = Annotated[str, StringConstraints(max_length=MAX_VALUE_CHARS)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**64 - 1, strict=True)]
+Categorical = Text | Int64
 SparseValue = Categorical | Annotated[list[Categorical], Field(max_length=MAX_BAG)] | None
 DenseValue = Annotated[float, Field(allow_inf_nan=False, strict=True)] | None
 
@@ -32,9 +36,9 @@ class PositionalInstance(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dense: Annotated[list[DenseValue], Field(max_length=MAX_FIELDS)]
-    """The integer features I1..I13 (numbers or null)."""
+    """The dense features in the schema's order (numbers or null)."""
     sparse: Annotated[list[SparseValue], Field(max_length=MAX_FIELDS)]
-    """The categorical features C1..C26."""
+    """The categorical features in the schema's order."""
 
 
 NamedInstance = Annotated[
@@ -79,8 +83,12 @@ class ModelInfo(BaseModel):
     step: int
     """Training step the version was published from."""
     row_dtype: str
+    format: str
+    """The input format the model was trained on (``:predict_tsv`` takes its lines)."""
     dense_features: list[str]
     sparse_features: list[str]
+    features: list[dict[str, Any]]
+    """Every feature as the schema declares it (column, kind, transform / encoding, table)."""
     tables: list[dict[str, Any]]
     """rows, dim and pooling of each table."""
     model: dict[str, Any]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from api.errors import InputError, ModelNotFound, NotReady
-from api.featurize import featurize_instances, featurize_tsv
+from api.featurize import featurize_instances, featurize_lines
 from api.lookup import embed
 from api.metrics import ServingMetrics
 from api.model import ServingModel, build_dense, warm_up
@@ -72,8 +72,8 @@ class ModelService:
         warm_up(dense, meta)
         model = ServingModel(meta, dense, self.settings.cache_mb * 2**20, self.store.remote)
         # One request through the whole path (featurising, lookups, network) before real ones.
-        empty = PositionalInstance(dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.tables))
-        self.score(model, *featurize_instances(meta.spec, [empty]))
+        empty = PositionalInstance(dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.categorical))
+        self.score(model, *featurize_instances(meta.spec, model.featurizer, [empty]))
         old = self.model
         self.model, self._cursor = model, cursor  # the swap: one reference
         self.store.release(keep=version)
@@ -118,15 +118,17 @@ class ModelService:
         if len(instances) > self.settings.max_instances:
             raise InputError("instances", f"{len(instances)} instances, at most {self.settings.max_instances} per request")
         model = self.current()
-        predictions = self.score(model, *featurize_instances(model.spec, instances))
+        predictions = self.score(model, *featurize_instances(model.spec, model.featurizer, instances))
         self.metrics.batch_size.observe(len(predictions))
         return predictions, model.version
 
     def predict_tsv(self, name: str, text: bytes) -> tuple[list[float], str]:
-        """Click probabilities of TSV lines in the model's input layout, and the scoring version."""
+        """Click probabilities of lines in the model's input layout, and the scoring version."""
         self.check_name(name)
         model = self.current()
-        dense, ids, offsets, n = featurize_tsv(model.spec, model.parser, text)
+        if model.lines is None:
+            raise InputError("body", f"version {model.version} does not record its input columns; send JSON instances")
+        (dense, ids, offsets), n = featurize_lines(model.lines, text, self.settings.max_instances)
         if n > self.settings.max_instances:
             raise InputError("body", f"{n} lines, at most {self.settings.max_instances} per request")
         predictions = self.score(model, dense, ids, offsets)

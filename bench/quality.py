@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 from plain_dlrm import PlainDLRM  # noqa: E402
 
 from dense_trainer.config import Config, load_config  # noqa: E402
-from dense_trainer.data.loader import CriteoLoader  # noqa: E402
+from dense_trainer.data.loader import BatchLoader  # noqa: E402
 from dense_trainer.data.synth import synthesize  # noqa: E402
 from dense_trainer.metrics import log_loss_from_logits, roc_auc  # noqa: E402
 from dense_trainer.train import Trainer  # noqa: E402
@@ -54,7 +54,7 @@ def run_plain(cfg: Config, train: Path, test: Path, init_scale: float | None = N
                       init_scale=init_scale)
     opts = model.optimizers(PLAIN_LR, PLAIN_LR)
     seen, t0 = 0, time.perf_counter()
-    for batch in CriteoLoader([train], spec, cfg.train.batch_size):
+    for batch in BatchLoader([train], spec, cfg.train.batch_size):
         logits = model(batch.dense, batch.sparse.values, batch.sparse.offsets)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         for o in opts:
@@ -66,7 +66,7 @@ def run_plain(cfg: Config, train: Path, test: Path, init_scale: float | None = N
     elapsed = time.perf_counter() - t0
     z, y = [], []
     with torch.no_grad():
-        for batch in CriteoLoader([test], spec, cfg.train.eval_batch_size):
+        for batch in BatchLoader([test], spec, cfg.train.eval_batch_size):
             z.append(model(batch.dense, batch.sparse.values, batch.sparse.offsets).numpy())
             y.append(batch.labels.numpy())
     z, y = np.concatenate(z), np.concatenate(y)

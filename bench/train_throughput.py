@@ -218,7 +218,7 @@ def worker_plain(args) -> dict:
 def worker_parse(args) -> dict:
     """Reader throughput alone, and our training from a file vs from memory."""
     from dense_trainer.config import load_config
-    from dense_trainer.data.loader import CriteoLoader
+    from dense_trainer.data.loader import BatchLoader
     from dense_trainer.data.synth import synthesize
     from dense_trainer.train import Trainer
 
@@ -234,7 +234,7 @@ def worker_parse(args) -> dict:
     out = {}
     for workers in (1, 2):
         t0 = time.perf_counter()
-        loader = CriteoLoader([tmp / "train.txt"], spec, BATCH, num_workers=workers)
+        loader = BatchLoader([tmp / "train.txt"], spec, BATCH, num_workers=workers)
         rows = sum(b.batch_size for b in loader)
         out[f"loader_rows_per_s_{workers}w"] = rows / (time.perf_counter() - t0)
         out["parse_rows_per_s_1thread"] = loader.stats.parse_rows_per_s

@@ -21,7 +21,7 @@ from torch import nn
 from dense_trainer.config import Config
 from dlrm_core.batch import Position
 from dlrm_core.errors import CheckpointError
-from dlrm_core.features import FeatureSpec
+from dlrm_core.schema import FeatureSpec
 from embedding_server.checkpoint import (
     finalize_checkpoint,
     load_file,

@@ -8,12 +8,12 @@ import logging
 import os
 from pathlib import Path
 
-from dense_trainer.config import Config, load_config
+from dense_trainer.config import Config, load_config, prepare_config
 from dense_trainer.report import format_metrics
 from dlrm_core.config import add_config_flags, flag_overrides, parse_override
 from dlrm_core.env import fill_from_env
 from dlrm_core.errors import ConfigError
-from dlrm_core.formats.criteo import check_files
+from dlrm_core.formats import InputReader, check_files
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +64,11 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, ("train", "test", "out"))
     if cfg.dist.towers and not cfg.dist.embedding_servers:
         raise ConfigError("--towers needs --embedding-servers: the tower modules run on them (one server per tower at least)")
-    # Cheap checks before the tables are allocated.
+    # Cheap checks before the tables are allocated: files open, the schema's columns are there.
     check_files(args.train, "training")
     check_files(args.test, "test")
+    cfg = prepare_config(cfg, args.train)
+    InputReader(cfg.feature_spec(), list(args.train) + list(args.test)).check()
     prepare_out_dir(args.out)
     if cfg.dist.embedding_servers or cfg.dist.trainers > 1:
         from dense_trainer.distributed import launch_local, make_plan
@@ -96,7 +98,7 @@ def add_worker_parser(sub: argparse._SubParsersAction) -> None:
 def run_worker_cli(args: argparse.Namespace) -> int:
     from dense_trainer.distributed import run_worker
 
-    cfg = config_from_args(args, ("train", "test", "out"))
+    cfg = prepare_config(config_from_args(args, ("train", "test", "out")), args.train)
     if not cfg.dist.embedding_servers:
         raise ConfigError("dlrm worker needs --embedding-servers")
     rank = int(os.environ.get("RANK", "-1"))
@@ -122,16 +124,18 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from dense_trainer.distributed import make_plan, pooling_factors
-    from embedding_server.planner import describe_plan
+    from embedding_server.planner import describe_plan, table_factors
 
     cfg = config_from_args(args)
     if cfg.dist.embedding_servers < 1:
         raise ConfigError("dlrm plan needs --embedding-servers E (at least 1)")
     if args.sample is not None:
         check_files([args.sample], "sample")
+        cfg = prepare_config(cfg, [args.sample])
     factors = pooling_factors(cfg, [args.sample]) if args.sample else None  # read the sample once
     plan = make_plan(cfg, factors=factors)
-    print(describe_plan(plan, cfg.feature_spec(), cfg.embedding.optimizer.kind, cfg.train.batch_size, factors))
+    spec = cfg.feature_spec()
+    print(describe_plan(plan, spec, cfg.embedding.optimizer.kind, cfg.train.batch_size, table_factors(spec, factors)))
     return 0
 
 
@@ -158,14 +162,23 @@ def add_plan_towers_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plan_towers(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from dense_trainer.tower_planning import feature_costs, interaction_strength
     from embedding_server.towers import partition, report
 
     cfg = config_from_args(args)
+    if args.train:
+        check_files(args.train, "training")
+        cfg = prepare_config(cfg, args.train)
     spec = cfg.feature_spec()
-    names = [t.name for t in spec.tables]
-    if not 1 <= args.towers <= len(names):
-        raise ConfigError(f"--towers {args.towers}: must be between 1 and the {len(names)} features")
+    names = spec.sparse_names
+    # Features sharing a table must share a tower: they are partitioned as one unit.
+    units = [[f for f, t in enumerate(spec.feature_tables) if t == table]
+             for table in dict.fromkeys(spec.feature_tables)]
+    if not 1 <= args.towers <= len(units):
+        raise ConfigError(f"--towers {args.towers}: must be between 1 and the {len(units)} features "
+                          "(features sharing a table count once)")
     if args.compress is not None and args.compress < 1:
         raise ConfigError("--compress must be at least 1")
     factors = None
@@ -173,18 +186,21 @@ def run_plan_towers(args: argparse.Namespace) -> int:
     if args.train:
         from dense_trainer.distributed import pooling_factors
 
-        check_files(args.train, "training")
         factors = pooling_factors(cfg, args.train)
         strength = interaction_strength(cfg, args.train, args.warmup_rows)
     elif args.method == "interaction":
         raise ConfigError("--method interaction needs --train (the warm-up measures the interactions)")
     costs = feature_costs(cfg, factors)
+    unit_costs = np.array([costs[u].sum() for u in units])
     if args.method == "interaction":
-        groups = partition.interaction_towers(strength, costs, args.towers, args.slack, args.seed)
+        unit_strength = np.array([[strength[np.ix_(a, b)].sum() if i != j else 0.0 for j, b in enumerate(units)]
+                                  for i, a in enumerate(units)])
+        unit_groups = partition.interaction_towers(unit_strength, unit_costs, args.towers, args.slack, args.seed)
     elif args.method == "random":
-        groups = partition.random_towers(costs, args.towers, args.seed)
+        unit_groups = partition.random_towers(unit_costs, args.towers, args.seed)
     else:
-        groups = partition.contiguous_towers(names, args.towers)
+        unit_groups = partition.contiguous_towers([str(u) for u in range(len(units))], args.towers)
+    groups = [sorted(f for u in group for f in units[u]) for group in unit_groups]
     plan = report.make_plan(names, groups, args.method, args.compress, strength)
     plan.save(args.out)
     print(report.describe_towers(plan, spec, costs, strength))

@@ -17,12 +17,9 @@ from pydantic import Field
 from dlrm_core import config as core_config
 from dlrm_core.config import Section, flag, parse_override
 from dlrm_core.errors import ConfigError
-from dlrm_core.features import FeatureSpec, TableSpec
-from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig, TableOverride
+from dlrm_core.schema import Column, Feature, FeatureSpec, FormatName, build_spec, criteo_features
+from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
 from embedding_server.optimizers import DenseOptimizerConfig
-
-CRITEO_DENSE = 13
-CRITEO_SPARSE = 26
 
 
 class DataConfig(Section):
@@ -37,7 +34,8 @@ class DataConfig(Section):
     strict: bool = flag(False, "--strict")
     """Stop at the first malformed line (naming file and line) instead of skipping it."""
     multi_hot_sep: str | None = None
-    """Separator of several values in one categorical cell (multi-hot bags); None: one value."""
+    """The Criteo layout's multi-hot separator of C1..C26 cells (a schema sets its own per
+    feature); None: one value per cell."""
 
 
 class ModelConfig(Section):
@@ -90,8 +88,23 @@ class TrainConfig(Section):
 
 
 class Config(Section):
-    """A whole training run."""
+    """A whole training run: the input schema (top level), then one section per part."""
 
+    format: FormatName = flag("criteo", "--format")
+    """Input format: criteo (TSV, no header), csv or tsv (a header line), parquet."""
+    label: Column | None = flag(None, "--label")
+    """The label column (0/1), by header name or 0-based index; the Criteo layout's is column 0."""
+    ignore: list[Column] = []
+    """Columns that are not features (ids, timestamps): `dlrm data schema` leaves them out."""
+    columns: list[str] | None = None
+    """Column names of headerless input (read from the header of CSV / TSV / Parquet files)."""
+    header: bool | None = None
+    """Delimited text: whether the first line names the columns (default: csv and tsv yes)."""
+    delimiter: str | None = None
+    """Delimited text: the field separator (default: csv ",", tsv and criteo TAB)."""
+    features: list[Feature] | None = None
+    """The features, ``[[features]]`` (see dlrm_core/schema.py); default: the Criteo layout,
+    I1..I13 (log1p of integer counts) and C1..C26 (hex categoricals)."""
     data: DataConfig = DataConfig()
     embedding: EmbeddingConfig = EmbeddingConfig()
     model: ModelConfig = ModelConfig()
@@ -101,26 +114,25 @@ class Config(Section):
     dist: DistConfig = DistConfig()
 
     def feature_spec(self) -> FeatureSpec:
-        """The Criteo schema with this config's tables (rows, dims, pooling)."""
+        """The resolved schema: features, their tables (rows, dims, pooling), the input layout."""
+        features = self.features
+        if features is None:
+            if self.format != "criteo":
+                raise ConfigError(f"config: a {self.format} input needs its [[features]] "
+                                  "(`dlrm data schema FILE --label COL --out CONFIG.toml` writes them)")
+            features = criteo_features(self.data.multi_hot_sep)
+        if not features:
+            raise ConfigError("config: features: the schema has no feature")
         emb = self.embedding
-        overrides = {t.name: t for t in emb.tables}
-        names = [f"C{i + 1}" for i in range(CRITEO_SPARSE)]
-        unknown = sorted(set(overrides) - set(names))
-        if unknown:
-            raise ConfigError(f"config: embedding.tables: unknown table {unknown[0]!r} (tables are C1..C26)")
-        tables = []
-        for name in names:
-            o = overrides.get(name, TableOverride(name=name))
-            rows = min(o.rows, emb.hash_size) if o.rows else emb.hash_size
-            dim = 1 if self.model.kind == "lr" else (o.dim or emb.dim)
-            tables.append(TableSpec(name=name, rows=rows, dim=dim, pooling=o.pooling or emb.pooling))
-        return FeatureSpec(
-            dense=[f"I{i + 1}" for i in range(CRITEO_DENSE)],
-            tables=tables,
-            multi_hot_sep=self.data.multi_hot_sep,
-        )
-
-
+        overrides = {t.name: t.model_dump(exclude={"name"}, exclude_none=True) for t in emb.tables}
+        try:
+            return build_spec(
+                features, self.format, self.label, self.ignore, self.columns, self.header, self.delimiter,
+                table_defaults={"dim": emb.dim, "hash_size": emb.hash_size, "pooling": emb.pooling},
+                table_overrides=overrides, force_dim=1 if self.model.kind == "lr" else None,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"config: {exc}") from None
 
 
 __all__ = ["Config", "DataConfig", "ModelConfig", "TrainConfig", "load_config", "parse_override"]
@@ -133,3 +145,23 @@ def load_config(path: Path | str | None = None, overrides: list[dict[str, Any]] 
         ConfigError: naming the file (or ``--set``/flag) and the offending setting.
     """
     return core_config.load_config(Config, path, overrides)
+
+
+def prepare_config(cfg: Config, train_files: list[Path]) -> Config:
+    """Fill in what the schema learns from the training data: the input's column names (they go
+    with the model, so that serving parses lines in the same layout) and the statistics of
+    ``standardize`` features. Idempotent; the Criteo layout needs nothing."""
+    from dlrm_core.statistics import dense_statistics, input_columns, needs_statistics
+
+    if cfg.features is None or not train_files:
+        return cfg
+    spec = cfg.feature_spec()
+    update: dict[str, Any] = {}
+    if cfg.columns is None and (spec.header or spec.format == "parquet"):
+        update["columns"] = input_columns(spec, train_files)
+    missing = needs_statistics(cfg.features)
+    if missing:
+        stats = dense_statistics(spec, train_files, missing)
+        update["features"] = [f.model_copy(update={"mean": stats[f.name][0], "std": stats[f.name][1]})
+                              if f.name in stats else f for f in cfg.features]
+    return cfg.model_copy(update=update) if update else cfg

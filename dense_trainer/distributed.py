@@ -32,13 +32,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dense_trainer.config import Config
-from dense_trainer.data.loader import CriteoLoader
+from dense_trainer.data.loader import BatchLoader
 from dlrm_core.errors import ConfigError, DlrmError
 from dlrm_core.logs import setup_logging
 from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.cluster import Roles, join
 from embedding_server.dist_client import DistributedEmbeddingClient
-from embedding_server.planner import ShardingPlan, parse_bytes, plan_sharding
+from embedding_server.planner import ShardingPlan, parse_bytes, plan_sharding, table_factors
 from embedding_server.server import EmbeddingServer
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.plan import TowerPlan
@@ -51,12 +51,12 @@ SAMPLE_ROWS = 20_000
 
 
 def pooling_factors(cfg: Config, files: list[Path]) -> list[float]:
-    """Mean ids per bag of each table, on the first rows of the training data."""
+    """Mean ids per bag of each categorical feature, on the first rows of the training data."""
     spec = cfg.feature_spec()
-    loader = CriteoLoader(files[:1], spec, SAMPLE_ROWS, num_workers=0, max_rows=SAMPLE_ROWS)
+    loader = BatchLoader(files[:1], spec, SAMPLE_ROWS, num_workers=0, max_rows=SAMPLE_ROWS)
     batch = next(iter(loader), None)
     if batch is None:
-        return [1.0] * len(spec.tables)
+        return [1.0] * len(spec.categorical)
     return [float(x) for x in batch.sparse.lengths().float().mean(dim=1)]
 
 
@@ -77,10 +77,12 @@ def tower_layout(cfg: Config, topology=None) -> TowerLayout | None:
 
 
 def make_plan(cfg: Config, files: list[Path] | None = None, factors: list[float] | None = None) -> ShardingPlan:
-    """The sharding plan (per tower with towers); pooling factors measured on ``files`` unless given."""
+    """The sharding plan (per tower with towers); pooling factors (per feature) measured on
+    ``files`` unless given."""
     d = cfg.dist
     if factors is None and files:
         factors = pooling_factors(cfg, files)
+    factors = table_factors(cfg.feature_spec(), factors)
     memory = parse_bytes(d.server_memory) if d.server_memory else None
     layout = tower_layout(cfg)
     if layout is not None:

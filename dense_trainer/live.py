@@ -78,7 +78,7 @@ class LivePublisher:
         names = [t.name for t in self.spec.tables]
         self.rows = LivePusher(
             self.store, self.version, [(t.name, 0, t.rows) for t in self.spec.tables],
-            lambda: [self.trainer.client.export_state()[f"{n}.weight"] for n in names], self.push_every_s,
+            lambda: [self.trainer.client.table_weights()[n] for n in names], self.push_every_s,
         )
         self._dense = self.rows
         log.info("live updates: published %s to %s; pushing rows every %.1fs", self.version, self.store.url, self.push_every_s)
@@ -96,8 +96,8 @@ class LivePublisher:
         """Mark the batch's rows dirty (single process); push when due. Called between steps."""
         if self.rows is not None:
             b = sparse.batch_size
-            for f in range(len(self.spec.tables)):
-                self.rows.mark(f, sparse.values[sparse.offsets[f * b] : sparse.offsets[(f + 1) * b]].numpy())
+            for f, t in enumerate(self.spec.feature_tables):  # the rows of feature f's table
+                self.rows.mark(t, sparse.values[sparse.offsets[f * b] : sparse.offsets[(f + 1) * b]].numpy())
             self.rows.maybe_push()
         now = time.monotonic()
         if self._dense is not None and now - self._last_dense >= self.dense_every_s:

@@ -64,14 +64,16 @@ class _PairwiseDots(torch.autograd.Function):
 
 
 class InteractionArch(nn.Module):
-    """DLRM dot interaction: pairwise dot products of the N = F + 1 vectors, plus the dense one.
+    """DLRM dot interaction: pairwise dot products of the F + 1 vectors, plus the dense one.
 
-    [B, D] and [B, F, D] -> [B, D + N(N-1)/2]
+    [B, D] and [B, F, D] -> [B, D + (F+1)F/2]; without dense features (``with_dense=False``)
+    [B, F, D] -> [B, F(F-1)/2].
     """
 
-    def __init__(self, num_sparse_features: int) -> None:
+    def __init__(self, num_sparse_features: int, with_dense: bool = True) -> None:
         super().__init__()
-        n = num_sparse_features + 1
+        self.with_dense = with_dense
+        n = num_sparse_features + (1 if with_dense else 0)
         rows, cols = torch.triu_indices(n, n, offset=1)
         self.register_buffer("upper", rows * n + cols, persistent=False)  # flat (i, j), i < j
         self.register_buffer("lower", cols * n + rows, persistent=False)  # flat (j, i)
@@ -80,10 +82,12 @@ class InteractionArch(nn.Module):
     def num_pairs(self) -> int:
         return self.upper.numel()
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        combined = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # [B, N, D]
-        pairs = _PairwiseDots.apply(combined, self.upper, self.lower)  # [B, N(N-1)/2]
-        return torch.cat([dense, pairs], dim=1)  # [B, D + N(N-1)/2]
+    def forward(self, dense: torch.Tensor | None, sparse: torch.Tensor) -> torch.Tensor:
+        if not self.with_dense:
+            return _PairwiseDots.apply(sparse, self.upper, self.lower)  # [B, F(F-1)/2]
+        combined = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # [B, F+1, D]
+        pairs = _PairwiseDots.apply(combined, self.upper, self.lower)  # [B, (F+1)F/2]
+        return torch.cat([dense, pairs], dim=1)  # [B, D + (F+1)F/2]
 
 
 class LowRankCrossNet(nn.Module):
@@ -121,8 +125,8 @@ class InteractionDCNArch(nn.Module):
         super().__init__()
         self.crossnet = LowRankCrossNet(in_features, num_layers, low_rank)
 
-    def forward(self, dense: torch.Tensor, sparse_flat: torch.Tensor) -> torch.Tensor:
-        return self.crossnet(torch.cat([dense, sparse_flat], dim=1))
+    def forward(self, dense: torch.Tensor | None, sparse_flat: torch.Tensor) -> torch.Tensor:
+        return self.crossnet(sparse_flat if dense is None else torch.cat([dense, sparse_flat], dim=1))
 
 
 class OverArch(nn.Module):
@@ -140,8 +144,9 @@ class DLRMDense(nn.Module):
     """DenseArch + InteractionArch (dot or DCN-v2) + OverArch.
 
     Args:
-        num_dense: I, dense features.
-        table_dims: D_t of each sparse feature (or tower output), in order.
+        num_dense: I, dense features (0: no bottom MLP; the interaction sees the embeddings alone).
+        table_dims: D_f of each categorical feature (or tower output), in order (may be empty:
+            then the over arch sees the bottom MLP's output alone).
         cfg: layer sizes and interaction.
         append_embeddings: the over arch also sees the embedded vectors themselves (dot
             interaction only): with compressed towers, their outputs carry each tower's own
@@ -153,7 +158,8 @@ class DLRMDense(nn.Module):
         super().__init__()
         self.table_dims = list(table_dims)
         d = embedding_dim
-        self.dense_arch = DenseArch(num_dense, [*cfg.dense_arch_layer_sizes, d])
+        self.dense_arch = DenseArch(num_dense, [*cfg.dense_arch_layer_sizes, d]) if num_dense else None
+        dense_out = d if num_dense else 0
         # Tables whose dim differs from D are projected to D for the dot interaction.
         self.mixed_dims = any(t != d for t in table_dims)
         self.project = (
@@ -162,29 +168,33 @@ class DLRMDense(nn.Module):
             else None
         )
         self.append_embeddings = append_embeddings and cfg.interaction == "dot"
-        if cfg.interaction == "dot":
-            self.inter_arch: nn.Module = InteractionArch(len(table_dims))
-            over_in = d + self.inter_arch.num_pairs + (sum(table_dims) if self.append_embeddings else 0)
-        else:
-            over_in = d + sum(table_dims)
+        self.interaction = cfg.interaction if table_dims else "none"
+        if self.interaction == "dot":
+            self.inter_arch: nn.Module | None = InteractionArch(len(table_dims), with_dense=bool(num_dense))
+            over_in = dense_out + self.inter_arch.num_pairs + (sum(table_dims) if self.append_embeddings else 0)
+        elif self.interaction == "dcn":
+            over_in = dense_out + sum(table_dims)
             self.inter_arch = InteractionDCNArch(over_in, cfg.dcn_num_layers, cfg.dcn_low_rank)
-        self.interaction = cfg.interaction
+        else:  # no categorical feature: the bottom MLP feeds the over arch
+            over_in, self.inter_arch = dense_out, None
         self.over_arch = OverArch(over_in, cfg.over_arch_layer_sizes)
 
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """dense float [B, I], embedded float [B, sum(D_t)] -> logits float [B]."""
-        x = self.dense_arch(dense)  # [B, D]
-        if self.interaction == "dcn":
-            z = self.inter_arch(x, embedded)  # [B, D + sum(D_t)]
+        """dense float [B, I], embedded float [B, sum(D_f)] -> logits float [B]."""
+        x = self.dense_arch(dense) if self.dense_arch is not None else None  # [B, D]
+        if self.interaction == "none":
+            z = x
+        elif self.interaction == "dcn":
+            z = self.inter_arch(x, embedded)  # [B, D + sum(D_f)]
         else:
             if self.project is None:
                 sparse = embedded.view(embedded.shape[0], len(self.table_dims), -1)  # [B, F, D]
             else:
                 parts = torch.split(embedded, self.table_dims, dim=1)
                 sparse = torch.stack([p(e) for p, e in zip(self.project, parts, strict=True)], 1)
-            z = self.inter_arch(x, sparse)  # [B, D + N(N-1)/2]
+            z = self.inter_arch(x, sparse)  # [B, D + (F+1)F/2]
             if self.append_embeddings:
-                z = torch.cat([z, embedded], dim=1)  # [B, D + N(N-1)/2 + sum(D_t)]
+                z = torch.cat([z, embedded], dim=1)  # [B, D + (F+1)F/2 + sum(D_f)]
         return self.over_arch(z).squeeze(1)
 
 
@@ -211,36 +221,36 @@ class TowerDLRM(nn.Module):
     dense [B, I], embedded [B, F * D] (table order) -> logits [B]
     """
 
-    def __init__(self, tables_of: list[list[int]], towers: nn.ModuleList, net: nn.Module, dim: int) -> None:
+    def __init__(self, features_of: list[list[int]], towers: nn.ModuleList, net: nn.Module, dim: int) -> None:
         super().__init__()
-        self.tables_of = [list(t) for t in tables_of]
+        self.features_of = [list(t) for t in features_of]
         self.towers = towers
         self.net = net
         self.dim = dim
 
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         z = embedded.view(embedded.shape[0], -1, self.dim)  # [B, F, D]
-        outs = [tower(z[:, tables]) for tower, tables in zip(self.towers, self.tables_of, strict=True)]  # [B, c_t, D']
+        outs = [tower(z[:, tables]) for tower, tables in zip(self.towers, self.features_of, strict=True)]  # [B, c_t, D']
         return self.net(dense, torch.cat(outs, dim=1).flatten(1))  # [B, C * D'] -> [B]
 
 
 def build_served_model(cfg: ModelConfig, spec, embedding_dim: int, towers: dict | None = None) -> nn.Module:
     """The network a published version runs on pooled embeddings in table order: the dense model,
     or with a compressed tower plan (``ModelVersion.towers``) the tower modules before it."""
-    dims = [t.dim for t in spec.tables]
+    dims = spec.feature_dims
     if not towers:
         return build_dense_model(cfg, len(spec.dense), dims, embedding_dim)
     from embedding_server.towers.module import TowerModule
     from embedding_server.towers.plan import TowerPlan
 
     plan = TowerPlan(towers=towers["towers"])
-    index = {t.name: i for i, t in enumerate(spec.tables)}
-    tables_of = [[index[f] for f in tower.features] for tower in plan.towers]
+    index = {name: i for i, name in enumerate(spec.sparse_names)}
+    features_of = [[index[f] for f in tower.features] for tower in plan.towers]
     outputs = [tower.outputs for tower in plan.towers]
     dim, out_dim = dims[0], towers["out_dim"]
-    modules = nn.ModuleList(TowerModule(len(t), c, dim, out_dim) for t, c in zip(tables_of, outputs, strict=True))
+    modules = nn.ModuleList(TowerModule(len(t), c, dim, out_dim) for t, c in zip(features_of, outputs, strict=True))
     net = build_dense_model(cfg, len(spec.dense), [out_dim] * sum(outputs), out_dim, append_embeddings=True)
-    return TowerDLRM(tables_of, modules, net, dim)
+    return TowerDLRM(features_of, modules, net, dim)
 
 
 def build_dense_model(

@@ -31,10 +31,12 @@ log = logging.getLogger(__name__)
 
 
 def feature_costs(cfg: Config, pooling_factors: list[float] | None = None) -> np.ndarray:
-    """Per feature: 0.5 x share of table bytes + 0.5 x share of lookups."""
+    """Per feature: 0.5 x share of table bytes + 0.5 x share of lookups (``pooling_factors``: mean
+    ids per example of each feature). Features sharing a table each count the table."""
     spec = cfg.feature_spec()
-    nbytes = np.array([piece_bytes(t.rows, t.dim, cfg.embedding.optimizer.kind) for t in spec.tables], dtype=float)
-    lookups = np.array(pooling_factors or [1.0] * len(spec.tables), dtype=float) * [t.dim for t in spec.tables]
+    tables = [spec.table_of(f) for f in range(len(spec.categorical))]
+    nbytes = np.array([piece_bytes(t.rows, t.dim, cfg.embedding.optimizer.kind) for t in tables], dtype=float)
+    lookups = np.array(pooling_factors or [1.0] * len(tables), dtype=float) * [t.dim for t in tables]
     return 0.5 * nbytes / nbytes.sum() + 0.5 * lookups / max(lookups.sum(), 1e-12)
 
 
@@ -75,13 +77,14 @@ def pair_reliance(model, lookup, probe, chunk: int = 16) -> np.ndarray:
         z = torch.stack([p(e) for p, e in zip(model.project, parts, strict=True)], 1)
     else:
         z = embedded.view(b, f, -1)  # [B, F, D]
-    x = model.dense_arch(probe.dense)  # [B, D]
+    x = model.dense_arch(probe.dense) if model.dense_arch is not None else None  # [B, D]
     inter = model.inter_arch(x, z)  # [B, D + P], pairs over (dense, C1..CF) in triu order
     base = model.over_arch(inter)  # [B, 1]
-    d = x.shape[1]
-    n = f + 1
+    lead = 0 if x is None else 1  # the dense vector comes first
+    d = 0 if x is None else x.shape[1]
+    n = f + lead
     rows, cols = torch.triu_indices(n, n, offset=1)
-    sparse_pairs = [k for k in range(rows.numel()) if rows[k] > 0]  # not the dense vector's pairs
+    sparse_pairs = [k for k in range(rows.numel()) if rows[k] >= lead]  # not the dense vector's pairs
     strength = np.zeros((f, f))
     for lo in range(0, len(sparse_pairs), chunk):
         ks = sparse_pairs[lo : lo + chunk]
@@ -90,6 +93,6 @@ def pair_reliance(model, lookup, probe, chunk: int = 16) -> np.ndarray:
             ablated[i, :, d + k] = inter[:, d + k].mean()
         delta = (model.over_arch(ablated.view(-1, inter.shape[1])).view(len(ks), b) - base.view(1, b)).abs().mean(1)
         for k, v in zip(ks, delta.tolist(), strict=True):
-            i, j = int(rows[k]) - 1, int(cols[k]) - 1
+            i, j = int(rows[k]) - lead, int(cols[k]) - lead
             strength[i, j] = strength[j, i] = v
     return strength

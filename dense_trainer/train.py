@@ -31,15 +31,15 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dense_trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
-from dense_trainer.config import Config
-from dense_trainer.data.loader import CriteoLoader
+from dense_trainer.config import Config, prepare_config
+from dense_trainer.data.loader import BatchLoader
 from dense_trainer.metrics import log_loss_from_logits, roc_auc
 from dense_trainer.model import build_dense_model
 from dense_trainer.report import write_metrics
 from dlrm_core.batch import Batch
 from dlrm_core.errors import ConfigError, DataError
-from dlrm_core.features import FeatureSpec
-from dlrm_core.formats.criteo import check_files
+from dlrm_core.formats import InputReader, check_files
+from dlrm_core.schema import FeatureSpec
 from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.client import EmbeddingClient, InProcessEmbeddingClient
 from embedding_server.cluster import Cluster
@@ -98,7 +98,7 @@ class Trainer:
         # 2. embedding client (the SparseArch): shards with the fused sparse optimizer
         self.client = client or InProcessEmbeddingClient(
             self.spec.tables, cfg.embedding.optimizer, cfg.embedding.device, cfg.train.seed,
-            cfg.embedding.init_scale or None,
+            cfg.embedding.init_scale or None, self.spec.feature_tables,
         )
         # 3. dense model: over the tables' vectors, or the tower outputs of compressing towers
         self.towers = self.client.tower_layout
@@ -184,9 +184,9 @@ class Trainer:
         z, y = np.concatenate(logits), np.concatenate(labels)
         return {"test_auc": roc_auc(z, y), "test_logloss": log_loss_from_logits(z, y), "test_rows": int(y.size)}
 
-    def _loader(self, files, batch_size, epochs, start=None, max_rows=0) -> CriteoLoader:
+    def _loader(self, files, batch_size, epochs, start=None, max_rows=0) -> BatchLoader:
         d = self.cfg.data
-        return CriteoLoader(
+        return BatchLoader(
             files, self.spec, batch_size, num_workers=d.num_workers, block_bytes=d.block_bytes,
             prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs, start=start,
             max_rows=max_rows, pin_memory=self.device.type == "cuda",
@@ -208,6 +208,7 @@ class Trainer:
         """
         check_files(train_files, "training")
         check_files(test_files, "test")
+        self._prepare(train_files, test_files)
         prepare_out_dir(self.out_dir)
         if resume:
             self._resume()
@@ -240,7 +241,7 @@ class Trainer:
         cluster_stats = self._stop_cluster()
         return write_metrics(self, final, train_files, test_files, finished, cluster_stats)
 
-    def _train_epochs(self, loader: CriteoLoader, test_files: list[Path],
+    def _train_epochs(self, loader: BatchLoader, test_files: list[Path],
                       on_step: Callable[[int, float], None] | None) -> bool:
         """Step through ``loader``; True when every epoch ran to its end."""
         cfg, s = self.cfg.train, self.state
@@ -282,6 +283,14 @@ class Trainer:
         finally:
             running.close()
 
+    def _prepare(self, train_files: list[Path], test_files: list[Path]) -> None:
+        """Learn what the schema takes from the data (column names, standardize statistics), and
+        find every feature's column in every input file (failing early, naming file and column)."""
+        cfg = prepare_config(self.cfg, train_files)
+        if cfg is not self.cfg:
+            self.cfg, self.spec = cfg, cfg.feature_spec()
+        InputReader(self.spec, list(train_files) + list(test_files)).check()
+
     # -- checkpoints and stopping -------------------------------------------------------------------
 
     @property
@@ -307,7 +316,7 @@ class Trainer:
         else:
             self.load_checkpoint(ckpt)
 
-    def _checkpoint_with(self, loader: CriteoLoader) -> None:
+    def _checkpoint_with(self, loader: BatchLoader) -> None:
         """Fold the loader's counters into the state, then checkpoint."""
         s = self.state
         s.bad_lines = loader.bad_lines.state()

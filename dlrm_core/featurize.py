@@ -50,6 +50,8 @@ class BadLine:
     file: str
     line: int
     reason: str
+    field: str | None = None
+    """The feature (or ``label``) whose value is bad, when one is."""
 
 
 @dataclass
@@ -304,22 +306,22 @@ class Featurizer:
         labels = np.zeros(n, dtype=np.float32)
         if self.with_label:
             labels, label_ok = parse_labels(columns[LABEL])
-            reasons.append((~label_ok, "label is not 0 or 1"))
+            reasons.append((~label_ok, "label is not 0 or 1", "label"))
         dense = np.empty((n, len(self.spec.dense)), dtype=np.float32)
         for j, feat in enumerate(self.spec.dense):
             x, good = parse_numbers(columns[feat.name])
-            reasons.append((~good, f"{feat.name} is not a number"))
+            reasons.append((~good, f"{feat.name} is not a number", feat.name))
             if feat.integer:
-                reasons.append((good & ~np.isnan(x) & (x != np.floor(x)), f"{feat.name} is not an integer"))
+                reasons.append((good & ~np.isnan(x) & (x != np.floor(x)), f"{feat.name} is not an integer", feat.name))
             dense[:, j] = transform_dense(x, feat)
         if multi_hot is None:
             multi_hot = self.multi_hot or any(_is_list(columns[f.name]) for f in self.spec.categorical)
         multi = multi_hot
         ids, values, lengths = self._categorical(columns, n, multi, reasons)
-        for mask, reason in reasons:
+        for mask, reason, name in reasons:
             if mask.any():
                 for i in np.flatnonzero(mask & ok):
-                    bad.append(BadLine(file, int(lines[i]), reason))
+                    bad.append(BadLine(file, int(lines[i]), reason, name))
                 ok &= ~mask
         if not ok.all():
             keep = np.flatnonzero(ok)
@@ -346,11 +348,11 @@ class Featurizer:
                 raw, valid = raw_ids(flat, feat.encoding)
                 bad_rows = np.zeros(n, dtype=bool)
                 bad_rows[row_of[~valid]] = True
-                reasons.append((bad_rows, _bad_value(feat)))
+                reasons.append((bad_rows, _bad_value(feat), feat.name))
                 values.append(to_rows(raw, self.table_rows[f]))
                 continue
             raw, valid = raw_ids(col, feat.encoding)
-            reasons.append((~valid, _bad_value(feat)))
+            reasons.append((~valid, _bad_value(feat), feat.name))
             rows = to_rows(raw, self.table_rows[f])
             if multi:
                 values.append(rows)

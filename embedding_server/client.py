@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlrm_core.batch import SparseFeatures
-from dlrm_core.features import TableSpec
+from dlrm_core.schema import TableSpec
 from embedding_server.checkpoint import save_file
 from embedding_server.optimizers import SparseOptimizerConfig
 from embedding_server.shard import EmbeddingShard, LocalTable
@@ -35,11 +35,13 @@ class EmbeddingClient(ABC):
     whoever holds the tables."""
 
     tables: list[TableSpec]
-    """The model's tables, in feature order."""
+    """The model's tables."""
+    feature_tables: list[int]
+    """The table each categorical feature of a lookup reads (index into ``tables``)."""
 
     @abstractmethod
     def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
-        """Ids of F tables for B examples -> pooled embeddings float [B, sum(output_dims())].
+        """Ids of F features for B examples -> pooled embeddings float [B, sum(output_dims())].
 
         Calling ``backward`` through the result updates the tables (in training mode).
         """
@@ -58,9 +60,9 @@ class EmbeddingClient(ABC):
         name, known to every process that pushes rows to it."""
 
     def output_dims(self) -> list[int]:
-        """Dims of the vectors :meth:`lookup` returns side by side: one per table, or, with
-        tower modules on the servers, one per tower output."""
-        return [t.dim for t in self.tables]
+        """Dims of the vectors :meth:`lookup` returns side by side: one per feature (its table's
+        dim), or, with tower modules on the servers, one per tower output."""
+        return [self.tables[t].dim for t in self.feature_tables]
 
     @property
     def plan(self) -> ShardingPlan | None:
@@ -87,7 +89,12 @@ class EmbeddingClient(ABC):
 
 
 class InProcessEmbeddingClient(EmbeddingClient):
-    """All tables in one :class:`EmbeddingShard` inside the trainer process."""
+    """All tables in one :class:`EmbeddingShard` inside the trainer process.
+
+    Args:
+        tables: the model's tables.
+        feature_tables: the table of each categorical feature (None: one feature per table).
+    """
 
     def __init__(
         self,
@@ -96,10 +103,13 @@ class InProcessEmbeddingClient(EmbeddingClient):
         device: torch.device | str = "cpu",
         seed: int = 0,
         init_scale: float | None = None,
+        feature_tables: list[int] | None = None,
     ) -> None:
         self.tables = tables
+        self.feature_tables = list(range(len(tables))) if feature_tables is None else list(feature_tables)
         self.shard = EmbeddingShard(
-            [LocalTable(t, i) for i, t in enumerate(tables)], optimizer, device, seed, init_scale
+            [LocalTable(t, i) for i, t in enumerate(tables)], optimizer, device, seed, init_scale,
+            self.feature_tables,
         )
         self.device = torch.device(device)
 

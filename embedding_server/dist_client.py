@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm_core.batch import SparseFeatures
-from dlrm_core.features import FeatureSpec
+from dlrm_core.schema import FeatureSpec
 from embedding_server.client import EmbeddingClient
 from embedding_server.cluster import Cluster
 from embedding_server.planner import ShardingPlan
@@ -48,44 +48,45 @@ class ClientStage(Protocol):
 
 
 class FlatStage:
-    """Per server [B, width] -> per piece [B, d_p] -> per table [B, D_t] -> [B, sum D_t]."""
+    """Per server [B, width] -> per slot (feature, piece) [B, d_p] -> per feature [B, D_f] -> [B, sum D_f]."""
 
     layout = None
 
     def __init__(self, plan: ShardingPlan, spec: FeatureSpec, num_servers: int) -> None:
-        self.tables = spec.tables
-        self.server_pieces = [plan.pieces_on(s) for s in range(num_servers)]
-        self.widths = [sum(p.dim for p in pieces) for pieces in self.server_pieces]
+        self.spec = spec
+        self.server_slots = [plan.slots_on(s, spec.feature_tables) for s in range(num_servers)]
+        self.widths = [sum(p.dim for _, p in slots) for slots in self.server_slots]
         self.recv_widths = self.widths
-        self.table_pieces = [plan.pieces_of(t.name) for t in spec.tables]
+        self.feature_pieces = [plan.pieces_of(spec.tables[t].name) for t in spec.feature_tables]
 
     def output_dims(self, flat_dims: list[int]) -> list[int]:
         return flat_dims
 
     def assemble(self, received: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
         blocks = torch.split(received, [b * w for w in self.widths])
-        piece_out = {}
+        slot_out = {}
         for s, block in enumerate(blocks):
-            cols = torch.split(block.view(b, self.widths[s]), [p.dim for p in self.server_pieces[s]], dim=1)
-            for p, c in zip(self.server_pieces[s], cols, strict=True):
-                piece_out[id(p)] = c
-        tables = []
-        for f, table in enumerate(self.tables):
-            pieces = self.table_pieces[f]
-            tables.append(SCHEMES[pieces[0].kind].combine([piece_out[id(p)] for p in pieces], bag_lengths[f], table))
-        return torch.cat(tables, dim=1)
+            slots = self.server_slots[s]
+            cols = torch.split(block.view(b, self.widths[s]), [p.dim for _, p in slots], dim=1)
+            for (f, p), c in zip(slots, cols, strict=True):
+                slot_out[(f, id(p))] = c
+        feats = []
+        for f, pieces in enumerate(self.feature_pieces):
+            table = self.spec.table_of(f)
+            feats.append(SCHEMES[pieces[0].kind].combine([slot_out[(f, id(p))] for p in pieces], bag_lengths[f], table))
+        return torch.cat(feats, dim=1)
 
     def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> tuple[list, list[int]]:
-        per_piece = {}
+        per_slot = {}
         col = 0
-        for f, table in enumerate(self.tables):
+        for f, pieces in enumerate(self.feature_pieces):
+            table = self.spec.table_of(f)
             g = grad[:, col : col + table.dim]
             col += table.dim
-            pieces = self.table_pieces[f]
             for p, gp in zip(pieces, SCHEMES[pieces[0].kind].split_grad(g, bag_lengths[f], pieces, table), strict=True):
-                per_piece[id(p)] = gp
-        parts = [torch.cat([per_piece[id(p)] for p in pieces], dim=1) if pieces else torch.zeros(b, 0)
-                 for pieces in self.server_pieces]
+                per_slot[(f, id(p))] = gp
+        parts = [torch.cat([per_slot[(f, id(p))] for f, p in slots], dim=1) if slots else torch.zeros(b, 0)
+                 for slots in self.server_slots]
         return [p.reshape(-1) for p in parts], [b * w for w in self.widths]
 
 
@@ -119,10 +120,11 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self._plan = plan
         self.spec = spec
         self.tables = spec.tables
+        self.feature_tables = spec.feature_tables
         self.grad_scale = grad_scale
         self.wire_dtype = EXCHANGE_DTYPES[exchange_dtype]
-        self.server_pieces = [plan.pieces_on(s) for s in range(self.roles.num_servers)]
-        self.table_pieces = [plan.pieces_of(t.name) for t in spec.tables]
+        self.server_slots = [plan.slots_on(s, spec.feature_tables) for s in range(self.roles.num_servers)]
+        self.feature_pieces = [plan.pieces_of(spec.tables[t].name) for t in spec.feature_tables]
         self.exchange = cluster.exchange
         self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))
         self.stage = stage or FlatStage(plan, spec, self.roles.num_servers)
@@ -159,21 +161,18 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self._stats["bytes_out"] += out.numel() * 8
 
     def _route(self, sparse: SparseFeatures) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each table's bags to the servers holding its pieces: (payload per server, bag lengths per table)."""
-        per_server: list[list] = [[] for _ in range(self.roles.num_servers)]
+        """Each feature's bags to the servers holding its table's pieces: (payload per server,
+        bag lengths per feature). A server's payload is in its slot order (feature, then piece)."""
+        routed = {}
         bag_lengths = []
-        for f, table in enumerate(self.tables):
+        for f, pieces in enumerate(self.feature_pieces):
             values, offsets = sparse.feature_values(f)
             lengths = offsets[1:] - offsets[:-1]  # [B]
             bag_lengths.append(lengths)
-            pieces = self.table_pieces[f]
+            table = self.spec.table_of(f)
             for piece, part in zip(pieces, SCHEMES[pieces[0].kind].route(values, lengths, pieces, table), strict=True):
-                per_server[piece.server].append((piece, part))
-        payloads = []
-        for s in range(self.roles.num_servers):  # in each server's own piece order
-            order = {id(p): i for i, p in enumerate(self.server_pieces[s])}
-            parts = sorted(per_server[s], key=lambda item: order[id(item[0])])
-            payloads.append(pack_ids([part for _, part in parts], self.id_dtype))
+                routed[(f, id(piece))] = part
+        payloads = [pack_ids([routed[(f, id(p))] for f, p in slots], self.id_dtype) for slots in self.server_slots]
         return payloads, bag_lengths
 
     def _forward(self, sparse: SparseFeatures, command: Command):
@@ -207,7 +206,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
     # -- the EmbeddingClient interface ------------------------------------------------------------
 
     def output_dims(self) -> list[int]:
-        return self.stage.output_dims([t.dim for t in self.tables])
+        return self.stage.output_dims(super().output_dims())
 
     def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
         if torch.is_grad_enabled():

@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from dlrm_core.errors import ConfigError
-from dlrm_core.features import FeatureSpec, TableSpec
+from dlrm_core.schema import FeatureSpec, TableSpec
 from embedding_server.optimizers import SparseOptimizerKind, state_bytes_per_row
 from embedding_server.shard import LocalTable
 
@@ -61,6 +61,23 @@ class ShardingPlan(BaseModel):
 
     def kind_of(self, table: str) -> ShardingKind:
         return self.pieces_of(table)[0].kind
+
+    def slots_on(self, server: int, feature_tables: list[int]) -> list[tuple[int, Piece]]:
+        """What ``server`` looks up for each example: (feature, piece) for every categorical
+        feature whose table has a piece there, by feature, then by the table's piece order.
+        Features sharing a table read the same piece in several slots."""
+        mine = self.pieces_on(server)
+        return [(f, p) for f, t in enumerate(feature_tables) for p in mine if p.table_index == t]
+
+
+def table_factors(spec: FeatureSpec, feature_factors: list[float] | None) -> list[float] | None:
+    """Mean ids per example of each table: the sum over the features that read it."""
+    if feature_factors is None:
+        return None
+    out = [0.0] * len(spec.tables)
+    for f, t in enumerate(spec.feature_tables):
+        out[t] += feature_factors[f]
+    return out
 
 
 def parse_bytes(text: str) -> int:

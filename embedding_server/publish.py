@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dlrm_core.errors import CheckpointError
-from dlrm_core.features import FeatureSpec
+from dlrm_core.schema import FeatureSpec
 from embedding_server.checkpoint import latest_checkpoint, load_file, read_manifest
 from embedding_server.shard import LocalTable, init_rows
 from embedding_server.stores.base import ServingStore
@@ -64,7 +64,7 @@ def publish_checkpoint(
     tables = CheckpointTables(path)  # whatever sharding wrote it
     dense = load_file(path, "dense.pt")
     towers = meta.get("towers")
-    if towers and TowerPlan(towers=towers["towers"]).compresses(spec.tables[0].dim, towers["out_dim"]):
+    if towers and TowerPlan(towers=towers["towers"]).compresses(spec.feature_dims[0], towers["out_dim"]):
         # (identity towers are the flat model as they are)
         modules = [load_file(path, f"tower-{t}.pt")["module"] for t in range(len(towers["towers"]))]
         dense = {**{f"net.{k}": v for k, v in dense.items()},

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm_core.batch import SparseFeatures
-from dlrm_core.features import FeatureSpec
+from dlrm_core.schema import FeatureSpec
 from embedding_server.checkpoint import partial_dir, save_file
 from embedding_server.cluster import Cluster
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
@@ -107,10 +107,13 @@ class EmbeddingServer:
         self.roles = cluster.roles
         self.index = self.roles.server_index(cluster.rank)
         self.pieces = plan.pieces_on(self.index)
+        # What it looks up per example: (feature, piece) slots; features sharing a table share pieces.
+        self.slots = plan.slots_on(self.index, spec.feature_tables)
+        self.slot_piece = [self.pieces.index(p) for _, p in self.slots]
         self.local_tables = [p.local_table(spec.tables[p.table_index]) for p in self.pieces]
         self.shard = EmbeddingShard(self.local_tables, embedding.optimizer, "cpu", seed,
-                                    embedding.init_scale or None) if self.pieces else None
-        self.width = sum(p.dim for p in self.pieces)
+                                    embedding.init_scale or None, self.slot_piece) if self.slots else None
+        self.width = sum(p.dim for _, p in self.slots)
         self.checkpoint_root = Path(checkpoint_root)
         self.wire_dtype = EXCHANGE_DTYPES[dist.exchange_dtype]
         self.timings = {"lookup_s": 0.0, "update_s": 0.0, "wait_s": 0.0}
@@ -165,18 +168,18 @@ class EmbeddingServer:
         t0 = time.perf_counter()
         self.exchange.all_to_all(received, torch.zeros(0, dtype=self.id_dtype), counts, [0] * world)
         self.timings["wait_s"] += time.perf_counter() - t0
-        # One fused lookup over all trainers' examples: piece p's bags are trainer 0's, then 1's...
+        # One fused lookup over all trainers' examples: slot k's bags are trainer 0's, then 1's...
         per_trainer = []
         pos = 0
+        slots = len(self.slots)
         for t in range(trainers):
-            per_trainer.append(unpack_ids(received[pos : pos + counts[t]], batches[t], len(self.pieces)))
+            per_trainer.append(unpack_ids(received[pos : pos + counts[t]], batches[t], slots))
             pos += counts[t]
         total = sum(batches)
         t1 = time.perf_counter()
         if self.shard is not None and total > 0:
-            values = torch.cat([per_trainer[t][p][0] for p in range(len(self.pieces)) for t in range(trainers)])
-            lengths = torch.stack([torch.cat([per_trainer[t][p][1] for t in range(trainers)])
-                                   for p in range(len(self.pieces))])
+            values = torch.cat([per_trainer[t][k][0] for k in range(slots) for t in range(trainers)])
+            lengths = torch.stack([torch.cat([per_trainer[t][k][1] for t in range(trainers)]) for k in range(slots)])
             with torch.set_grad_enabled(train):
                 pooled = self.shard(SparseFeatures.from_lengths(values, lengths))  # [sum B_t, width]
         else:
@@ -189,8 +192,8 @@ class EmbeddingServer:
     def _after_update(self, per_trainer: list) -> None:
         self.steps += 1
         if self.live is not None and self.shard is not None:
-            for p in range(len(self.pieces)):
-                self.live.mark(p, torch.cat([ids[p][0] for ids in per_trainer]).numpy())
+            for k, p in enumerate(self.slot_piece):
+                self.live.mark(p, torch.cat([ids[k][0] for ids in per_trainer]).numpy())
             self.live.maybe_push()
 
     def start_live(self, version: str) -> None:

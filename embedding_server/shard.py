@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dlrm_core.batch import SparseFeatures
-from dlrm_core.features import TableSpec
+from dlrm_core.schema import TableSpec
 from embedding_server.optimizers import SparseOptimizerConfig
 from embedding_server.tbe import TBEKernel, fbgemm_supports
 from embedding_server.torch_kernel import TorchKernel
@@ -81,14 +81,16 @@ class EmbeddingShard(nn.Module):
     """Table pieces held by one process, looked up and updated together.
 
     Args:
-        tables: the pieces, in the order their features appear in a lookup.
+        tables: the pieces.
         optimizer: fused sparse optimizer.
         device: where the tables live (``cpu``: host memory).
         seed: initialisation seed.
         init_scale: initial weights are uniform(+-init_scale); None: +-sqrt(1/rows).
+        feature_map: the piece each input feature of a lookup reads (several features may read
+            one table); None: one feature per piece, in order.
 
     Example:
-        >>> from dlrm_core.features import TableSpec
+        >>> from dlrm_core.schema import TableSpec
         >>> shard = EmbeddingShard([LocalTable(TableSpec(name="C1", rows=10, dim=4), 0)],
         ...                        SparseOptimizerConfig())
         >>> shard(SparseFeatures.one_hot(torch.tensor([[1, 2, 3]]))).shape
@@ -102,12 +104,14 @@ class EmbeddingShard(nn.Module):
         device: torch.device | str = "cpu",
         seed: int = 0,
         init_scale: float | None = None,
+        feature_map: list[int] | None = None,
     ) -> None:
         super().__init__()
         device = torch.device(device)
         self.init_scale = init_scale
         self.local_tables = tables
         self.optimizer_config = optimizer
+        self.feature_map = list(range(len(tables))) if feature_map is None else list(feature_map)
         reason = fbgemm_supports(optimizer, device, [t.spec for t in tables])
         if reason is not None:
             log.warning(
@@ -117,22 +121,24 @@ class EmbeddingShard(nn.Module):
         self.kernel_name = "fbgemm" if reason is None else "torch"
         kernel_cls = TBEKernel if reason is None else TorchKernel
 
-        # One kernel per pooling mode, in order of first appearance.
-        poolings = list(dict.fromkeys(t.spec.pooling for t in tables))
-        self.group_features = [
-            [i for i, t in enumerate(tables) if t.spec.pooling == p] for p in poolings
-        ]
+        # One kernel per pooling mode (in order of first appearance), over the features whose
+        # table pools that way; a table belongs to exactly one kernel.
+        pooling = [tables[t].spec.pooling for t in self.feature_map]
+        poolings = list(dict.fromkeys(pooling))
+        self.group_features = [[i for i, p in enumerate(pooling) if p == mode] for mode in poolings]
+        self.group_tables = [list(dict.fromkeys(self.feature_map[i] for i in feats)) for feats in self.group_features]
         self.kernels = nn.ModuleList(
-            kernel_cls([tables[i].spec for i in feats], optimizer, device)
-            for feats in self.group_features
+            kernel_cls([tables[t].spec for t in group], optimizer, device,
+                       [group.index(self.feature_map[i]) for i in feats])
+            for feats, group in zip(self.group_features, self.group_tables, strict=True)
         )
-        dims = [t.spec.dim for t in tables]
+        dims = [tables[t].spec.dim for t in self.feature_map]
         starts = [sum(dims[:i]) for i in range(len(dims))]
         group_cols = [
             torch.cat([torch.arange(starts[i], starts[i] + dims[i]) for i in feats])
             for feats in self.group_features
         ]
-        # Column permutation from grouped output back to table order (None: already in order).
+        # Column permutation from grouped output back to feature order (None: already in order).
         order = torch.cat(group_cols) if group_cols else torch.zeros(0, dtype=torch.int64)
         self._unpermute = (
             None
@@ -143,7 +149,7 @@ class EmbeddingShard(nn.Module):
 
     @property
     def output_dim(self) -> int:
-        return sum(t.spec.dim for t in self.local_tables)
+        return sum(self.local_tables[t].spec.dim for t in self.feature_map)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
@@ -157,7 +163,7 @@ class EmbeddingShard(nn.Module):
                 tensor.fill_(start if name == "momentum1" else 0.0)
 
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
-        """Pooled embeddings of every bag: ids of F tables for B examples -> float [B, sum(D_t)]."""
+        """Pooled embeddings of every bag: ids of F features for B examples -> float [B, sum(D_f)]."""
         if len(self.kernels) == 1:
             return self.kernels[0](sparse.values, sparse.offsets)
         outs = [
@@ -166,22 +172,22 @@ class EmbeddingShard(nn.Module):
                 self.kernels, (sparse.select_features(f) for f in self.group_features), strict=True
             )
         ]
-        return torch.cat(outs, dim=1).index_select(1, self._unpermute)  # [B, sum(D_t)]
+        return torch.cat(outs, dim=1).index_select(1, self._unpermute)  # [B, sum(D_f)]
 
     # -- state ------------------------------------------------------------------------------
 
     def _table_views(self) -> list[torch.Tensor]:
         views: list[torch.Tensor | None] = [None] * len(self.local_tables)
-        for kernel, feats in zip(self.kernels, self.group_features, strict=True):
-            for i, w in zip(feats, kernel.weights(), strict=True):
-                views[i] = w
+        for kernel, group in zip(self.kernels, self.group_tables, strict=True):
+            for t, w in zip(group, kernel.weights(), strict=True):
+                views[t] = w
         return views  # type: ignore[return-value]
 
     def _state_views(self) -> list[dict[str, torch.Tensor]]:
         views: list[dict[str, torch.Tensor]] = [{} for _ in self.local_tables]
-        for kernel, feats in zip(self.kernels, self.group_features, strict=True):
-            for i, s in zip(feats, kernel.states(), strict=True):
-                views[i] = s
+        for kernel, group in zip(self.kernels, self.group_tables, strict=True):
+            for t, s in zip(group, kernel.states(), strict=True):
+                views[t] = s
         return views
 
     def table_weights(self) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import logging
 import torch
 from torch import nn
 
-from dlrm_core.features import TableSpec
+from dlrm_core.schema import TableSpec
 from embedding_server.optimizers import SparseOptimizerConfig, state_shapes
 
 log = logging.getLogger(__name__)
@@ -58,10 +58,12 @@ class TBEKernel(nn.Module):
         tables: the (local pieces of the) tables, all with the same pooling.
         optimizer: the fused sparse optimizer.
         device: cpu or cuda.
+        feature_table_map: the table each input feature reads (None: one feature per table).
     """
 
     def __init__(
-        self, tables: list[TableSpec], optimizer: SparseOptimizerConfig, device: torch.device
+        self, tables: list[TableSpec], optimizer: SparseOptimizerConfig, device: torch.device,
+        feature_table_map: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.tables = tables
@@ -79,10 +81,11 @@ class TBEKernel(nn.Module):
             beta2=optimizer.beta2,
             pooling_mode=pooling,
             device=device,
+            feature_table_map=feature_table_map,
         )
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """values int64 [N], offsets int64 [T*B + 1] -> pooled float [B, sum(D_t)]."""
+        """values int64 [N], offsets int64 [F*B + 1] -> pooled float [B, sum(D_f)]."""
         return self.tbe(values, offsets)
 
     def weights(self) -> list[torch.Tensor]:

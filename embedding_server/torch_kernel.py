@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as nnf
 from torch import nn
 
-from dlrm_core.features import TableSpec
+from dlrm_core.schema import TableSpec
 from embedding_server.optimizers import SparseOptimizerConfig, apply_sparse_update, state_shapes
 
 
@@ -33,10 +33,12 @@ class TorchKernel(nn.Module):
     """Tables of one pooling mode as plain tensors, looked up with ``F.embedding_bag``."""
 
     def __init__(
-        self, tables: list[TableSpec], optimizer: SparseOptimizerConfig, device: torch.device
+        self, tables: list[TableSpec], optimizer: SparseOptimizerConfig, device: torch.device,
+        feature_table_map: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.tables = tables
+        self.feature_table_map = list(range(len(tables))) if feature_table_map is None else list(feature_table_map)
         self.optimizer = optimizer
         self.mode = tables[0].pooling
         self._weights = [torch.zeros(t.rows, t.dim, device=device) for t in tables]
@@ -58,26 +60,29 @@ class TorchKernel(nn.Module):
         return self.lookup(values, offsets)
 
     def _bags(self, offsets: torch.Tensor):
-        b = (offsets.numel() - 1) // len(self.tables)
-        for t in range(len(self.tables)):
-            yield t, offsets[t * b : (t + 1) * b + 1]
+        """(feature, its table, its B + 1 offsets) of every input feature."""
+        b = (offsets.numel() - 1) // len(self.feature_table_map)
+        for f, t in enumerate(self.feature_table_map):
+            yield f, t, offsets[f * b : (f + 1) * b + 1]
 
     def lookup(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         outs = []
-        for t, offs in self._bags(offsets):
+        for _, t, offs in self._bags(offsets):
             ids = values[offs[0] : offs[-1]]
             outs.append(
                 nnf.embedding_bag(
                     ids, self._weights[t], offs - offs[0], mode=self.mode, include_last_offset=True
                 )
             )  # [B, D_t]
-        return torch.cat(outs, dim=1)  # [B, sum(D_t)]
+        return torch.cat(outs, dim=1)  # [B, sum(D_f)]
 
     @torch.no_grad()
     def update(self, values: torch.Tensor, offsets: torch.Tensor, grad_out: torch.Tensor) -> None:
+        """Sum each table's gradients over every feature that read it, then step its rows once."""
         self._step += 1
         col = 0
-        for t, offs in self._bags(offsets):
+        per_table: dict[int, tuple[list, list]] = {}
+        for _, t, offs in self._bags(offsets):
             dim = self.tables[t].dim
             grad = grad_out[:, col : col + dim]  # [B, D_t]
             col += dim
@@ -89,12 +94,13 @@ class TorchKernel(nn.Module):
             per_id = grad[bag]  # [n, D_t]
             if self.mode == "mean":
                 per_id = per_id / lengths[bag].unsqueeze(1).to(per_id.dtype)
-            rows, inverse = torch.unique(ids, return_inverse=True)
-            summed = torch.zeros(rows.numel(), dim, dtype=grad.dtype, device=grad.device)
-            summed.index_add_(0, inverse, per_id)  # [U, D_t]
-            apply_sparse_update(
-                self.optimizer, self._weights[t], self._states[t], rows, summed, self._step
-            )
+            per_table.setdefault(t, ([], []))[0].append(ids)
+            per_table[t][1].append(per_id)
+        for t, (ids, grads) in sorted(per_table.items()):
+            rows, inverse = torch.unique(torch.cat(ids), return_inverse=True)
+            summed = torch.zeros(rows.numel(), self.tables[t].dim, dtype=grad_out.dtype, device=grad_out.device)
+            summed.index_add_(0, inverse, torch.cat(grads))  # [U, D_t]
+            apply_sparse_update(self.optimizer, self._weights[t], self._states[t], rows, summed, self._step)
 
     def weights(self) -> list[torch.Tensor]:
         return list(self._weights)

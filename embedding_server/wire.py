@@ -17,7 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from dlrm_core.errors import CheckpointError
-from dlrm_core.features import FeatureSpec
+from dlrm_core.schema import FeatureSpec
 
 RowDtype = Literal["fp32", "fp16"]
 NUMPY_DTYPE = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2")}

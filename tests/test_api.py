@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import Settings
-from dense_trainer.data.loader import CriteoLoader
+from dense_trainer.data.loader import BatchLoader
 from dense_trainer.train import Trainer
 from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.publish import publish_checkpoint
@@ -29,7 +29,7 @@ def client_for(store_url: str, **settings) -> TestClient:
 def offline_probabilities(out_dir, test_file) -> np.ndarray:
     trainer = Trainer(tiny_config(train={"batch_size": 128}), out_dir / "offline-eval")
     trainer.load_checkpoint(latest_checkpoint(out_dir / "checkpoints"))
-    logits = [trainer.predict(b) for b in CriteoLoader([test_file], trainer.spec, 4096)]
+    logits = [trainer.predict(b) for b in BatchLoader([test_file], trainer.spec, 4096)]
     return torch.sigmoid(torch.cat(logits)).numpy()
 
 

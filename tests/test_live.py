@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import Settings
-from dense_trainer.data.loader import CriteoLoader
+from dense_trainer.data.loader import BatchLoader
 from dense_trainer.live import LivePublisher
 from dense_trainer.train import Trainer
 from embedding_server.stores import open_store
@@ -23,7 +23,7 @@ def test_row_updates_visible_in_predictions_within_5s(redis_server, synth_small,
     trainer = Trainer(tiny_config(), tmp_path / "run")
     live = LivePublisher(trainer, open_store(url), push_every_s=0.5, dense_every_s=3600)
     version = live.start()
-    batches = list(CriteoLoader([synth_small / "train.txt"], trainer.spec, 256, max_rows=256 * 40))
+    batches = list(BatchLoader([synth_small / "train.txt"], trainer.spec, 256, max_rows=256 * 40))
     line = (synth_small / "train.txt").open().readline()  # the first row of batches[0]
 
     def predict(client):

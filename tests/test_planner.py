@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dlrm_core.errors import ConfigError
-from dlrm_core.features import TableSpec, criteo_spec
+from dlrm_core.schema import TableSpec, criteo_spec
 from embedding_server.planner import Piece, describe_plan, parse_bytes, plan_sharding
 from embedding_server.sharding import column_wise, row_wise, table_wise
 from embedding_server.wire import pack_ids, unpack_ids

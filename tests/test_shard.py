@@ -5,7 +5,7 @@ import torch
 
 import embedding_server.shard as shard_mod
 from dlrm_core.batch import SparseFeatures
-from dlrm_core.features import TableSpec
+from dlrm_core.schema import TableSpec
 from embedding_server.client import InProcessEmbeddingClient
 from embedding_server.optimizers import SparseOptimizerConfig, apply_sparse_update
 from embedding_server.shard import EmbeddingShard, LocalTable, init_rows

@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 
 from dlrm_core.errors import ConfigError
-from dlrm_core.features import FeatureSpec, TableSpec
+from dlrm_core.schema import CategoricalFeature, DenseFeature, FeatureSpec, build_spec
 from embedding_server.towers.partition import contiguous_towers, interaction_towers, random_towers
 from embedding_server.towers.plan import Tower, TowerPlan
 from embedding_server.towers.report import cost_balance, describe_towers, kept_share, make_plan
 
 
 def _spec(n: int = 6) -> FeatureSpec:
-    tables = [TableSpec(name=f"C{i + 1}", rows=10 * (i + 1), dim=4 + 4 * (i % 2)) for i in range(n)]
-    return FeatureSpec(dense=["I1"], tables=tables)
+    feats = [CategoricalFeature(kind="categorical", name=f"C{i + 1}", rows=10 * (i + 1), dim=4 + 4 * (i % 2))
+             for i in range(n)]
+    return build_spec([DenseFeature(kind="dense", name="I1"), *feats], "csv", label="y")
 
 
 def _plan(*towers: list[str], compress: int | None = None) -> TowerPlan:
@@ -140,7 +141,7 @@ class TestTowerPlan:
 
     def test_make_plan_and_describe(self):
         spec = _spec()
-        names = spec.sparse
+        names = spec.sparse_names
         S = np.zeros((6, 6))
         S[0, 3] = S[3, 0] = 3.0
         S[1, 2] = S[2, 1] = 1.0

@@ -1,6 +1,7 @@
 """Background loading: read blocks, parse them on worker threads, batch, prefetch.
 
-    reader thread: file blocks -> parse jobs (``num_workers`` threads, results kept in order)
+    reader thread: file blocks (``dlrm_core.formats``: any input format, on its block grid)
+                   -> parse jobs (``num_workers`` threads, results kept in order)
                    -> batches of exactly B rows -> queue of ``prefetch_batches``
     training loop: takes ready batches from the queue
 
@@ -26,8 +27,10 @@ import numpy as np
 import torch
 
 from dlrm_core.batch import Batch, Position, SparseFeatures
-from dlrm_core.features import FeatureSpec
-from dlrm_core.formats.criteo import BadLine, BadLineLog, BlockParser, ParsedBlock, read_raw_blocks
+from dlrm_core.featurize import BadLine, ParsedBlock
+from dlrm_core.formats import InputReader
+from dlrm_core.formats.base import BadLineLog
+from dlrm_core.schema import FeatureSpec
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +63,12 @@ class LoaderStats:
         return self.rows / self.parse_seconds if self.parse_seconds else 0.0
 
 
-class CriteoLoader:
-    """Iterates batches over Criteo-layout files, for one or more epochs, from a position.
+class BatchLoader:
+    """Iterates batches over the input files of a feature spec, for one or more epochs, from a position.
 
     Args:
-        files: input files (plain or gzip), read in order.
-        spec: the feature spec (columns, table rows for hashing, multi-hot separator).
+        files: input files (text plain or gzip, or Parquet), read in order.
+        spec: the feature spec (format, columns, features, table rows for hashing).
         batch_size: B; the last batch of an epoch may be smaller.
         num_workers: parser threads (0: parse on the reader thread).
         block_bytes: text per parse job.
@@ -103,7 +106,7 @@ class CriteoLoader:
         self.pin_memory = pin_memory
         self.bad_lines = BadLineLog(strict)
         self.stats = LoaderStats()
-        self._parser = BlockParser(spec, [str(f) for f in self.files])
+        self._reader = InputReader(spec, self.files)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -111,7 +114,7 @@ class CriteoLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         if self._thread is not None:
-            raise RuntimeError("a CriteoLoader is iterated once; make a new one")
+            raise RuntimeError("a BatchLoader is iterated once; make a new one")
         q: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)
         self._thread = threading.Thread(target=self._run, args=(q,), name="criteo-loader", daemon=True)
         self._thread.start()
@@ -167,7 +170,7 @@ class CriteoLoader:
         for fi in range(resume.file_index, len(self.files)):
             offset, line = (resume.block_offset, resume.block_line) if first else (0, 1)
             first = False
-            for raw in read_raw_blocks(self.files[fi], fi, self.block_bytes, offset, line):
+            for raw in self._reader.blocks(fi, self.block_bytes, offset, line):
                 if self._stop.is_set():
                     return
                 job = pool.submit(self._timed_parse, raw) if pool else self._timed_parse(raw)
@@ -179,7 +182,7 @@ class CriteoLoader:
 
     def _timed_parse(self, raw) -> tuple[ParsedBlock, float]:
         t0 = time.perf_counter()
-        parsed = self._parser.parse(raw)
+        parsed = self._reader.parse(raw)
         return parsed, time.perf_counter() - t0
 
     def _finish(self, item) -> _Block:
@@ -193,6 +196,17 @@ class CriteoLoader:
             block.cum = np.zeros((len(parsed.values), parsed.num_rows + 1), dtype=np.int64)
             np.cumsum(parsed.lengths, axis=1, out=block.cum[:, 1:])
         return block
+
+    @staticmethod
+    def _as_bags(block: _Block) -> None:
+        """A one-hot block in the multi-hot layout (when a batch mixes the two)."""
+        parsed = block.parsed
+        if parsed.values is not None:
+            return
+        n = parsed.num_rows
+        parsed.values = list(parsed.ids)
+        parsed.lengths = np.ones((parsed.ids.shape[0], n), dtype=np.int32)
+        block.cum = np.tile(np.arange(n + 1, dtype=np.int64), (parsed.ids.shape[0], 1))
 
     def _batches(
         self, pool: ThreadPoolExecutor | None
@@ -257,12 +271,15 @@ class CriteoLoader:
     def _to_batch(self, parts: list[tuple[_Block, int, int]], position: Position) -> Batch:
         labels = np.concatenate([p.parsed.labels[a:b] for p, a, b in parts])
         dense = np.concatenate([p.parsed.dense[a:b] for p, a, b in parts])
-        multi = parts[0][0].parsed.values is not None
+        multi = any(p.parsed.values is not None for p, _, _ in parts)
+        if multi:
+            for p, _, _ in parts:
+                self._as_bags(p)
         if not multi:
             ids = np.concatenate([p.parsed.ids[:, a:b] for p, a, b in parts], axis=1)  # [F, B]
             sparse = SparseFeatures.one_hot(torch.from_numpy(ids))
         else:
-            num_f = len(self.spec.tables)
+            num_f = len(self.spec.categorical)
             lengths = np.concatenate([p.parsed.lengths[:, a:b] for p, a, b in parts], axis=1)
             values = np.concatenate(
                 [p.parsed.values[f][p.cum[f, a] : p.cum[f, b]] for f in range(num_f) for p, a, b in parts]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 
 from dlrm_core.errors import ConfigError
-from dlrm_core.features import FeatureSpec
+from dlrm_core.schema import FeatureSpec
 from embedding_server.optimizers import SparseOptimizerKind
 from embedding_server.planner import ShardingPlan, Strategy, plan_sharding
 from embedding_server.topology import Topology
@@ -49,7 +49,7 @@ class TowerLayout:
         k = len(plan.towers)
         if num_servers < k:
             raise ConfigError(f"--towers: {k} towers need at least {k} embedding servers (one per tower), got {num_servers}")
-        dims = {t.dim for t in spec.tables}
+        dims = set(spec.feature_dims)
         if len(dims) != 1:
             raise ConfigError(f"--towers: tower modules need one embedding dim for every table, got {sorted(dims)}")
         self.dim = dims.pop()
@@ -57,10 +57,10 @@ class TowerLayout:
             raise ConfigError(f"--tower-dim {out_dim}: the tower outputs compress, so at most the embedding dim {self.dim}")
         self.out_dim = out_dim or self.dim
         self.num_trainers = num_trainers
-        index = {t.name: i for i, t in enumerate(spec.tables)}
-        self.tables_of = [[index[f] for f in tower.features] for tower in plan.towers]
-        # Table index of each tower-ordered feature (tower 0's features, then tower 1's ...).
-        self.feature_order = [i for tables in self.tables_of for i in tables]
+        index = {name: i for i, name in enumerate(spec.sparse_names)}
+        self.features_of = [[index[f] for f in tower.features] for tower in plan.towers]
+        # Feature index of each tower-ordered feature (tower 0's features, then tower 1's ...).
+        self.feature_order = [i for feats in self.features_of for i in feats]
         self.servers_of = [list(range(t * num_servers // k, (t + 1) * num_servers // k)) for t in range(k)]
         self.tower_of_server = [t for t, servers in enumerate(self.servers_of) for _ in servers]
         self.outputs = [tower.outputs for tower in plan.towers]
@@ -73,7 +73,7 @@ class TowerLayout:
 
     @property
     def num_towers(self) -> int:
-        return len(self.tables_of)
+        return len(self.features_of)
 
     @property
     def num_outputs(self) -> int:
@@ -100,10 +100,15 @@ class TowerLayout:
 
     def sharding(self, optimizer: SparseOptimizerKind, strategy: Strategy = "auto", server_memory: int | None = None,
                  pooling_factors: list[float] | None = None) -> ShardingPlan:
-        """Each tower's tables planned over its own servers, then numbered in the world's terms."""
+        """Each tower's tables planned over its own servers, then numbered in the world's terms.
+
+        ``pooling_factors``: mean ids per example of each table (all its features together)."""
         pieces = []
-        for t, (tables, servers) in enumerate(zip(self.tables_of, self.servers_of, strict=True)):
-            sub = self.spec.model_copy(update={"tables": [self.spec.tables[i] for i in tables]})
+        for t, (feats, servers) in enumerate(zip(self.features_of, self.servers_of, strict=True)):
+            tables = list(dict.fromkeys(self.spec.feature_tables[f] for f in feats))  # this tower's tables
+            sub = self.spec.model_copy(update={
+                "categorical": [self.spec.categorical[f] for f in feats],
+                "tables": [self.spec.tables[i] for i in tables]})
             factors = [pooling_factors[i] for i in tables] if pooling_factors else None
             try:
                 part = plan_sharding(sub, len(servers), optimizer, strategy, server_memory, factors)

@@ -28,7 +28,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dlrm_core.errors import ConfigError
-from dlrm_core.features import FeatureSpec
+from dlrm_core.schema import FeatureSpec
 
 
 class Tower(BaseModel):
@@ -76,7 +76,8 @@ class TowerPlan(BaseModel):
         return out_dim < dim or not all(t.identity for t in self.towers)
 
     def validate_for(self, spec: FeatureSpec) -> TowerPlan:
-        """Check that the plan partitions exactly the sparse features of ``spec``.
+        """Check that the plan partitions exactly the categorical features of ``spec``, and that
+        features sharing a table share a tower.
 
         Args:
             spec: the model's feature spec.
@@ -88,7 +89,7 @@ class TowerPlan(BaseModel):
             ConfigError: naming the unknown, duplicated or missing feature, the empty tower, or
                 the tower whose ``compress`` is outside ``[1, F_t]``.
         """
-        known = set(spec.sparse)
+        known = set(spec.sparse_names)
         seen: dict[str, int] = {}
         if not self.towers:
             raise ConfigError("tower plan has no towers")
@@ -111,7 +112,14 @@ class TowerPlan(BaseModel):
                     f"tower {t}: compress {tower.compress} must be between 1 and its "
                     f"{tower.num_features} features"
                 )
-        missing = [n for n in spec.sparse if n not in seen]
+        tower_of_table: dict[str, tuple[int, str]] = {}
+        for feat in spec.categorical:
+            if feat.name in seen:
+                first = tower_of_table.setdefault(feat.table, (seen[feat.name], feat.name))
+                if first[0] != seen[feat.name]:
+                    raise ConfigError(f"features {first[1]!r} and {feat.name!r} share table {feat.table!r}: "
+                                      f"put them in the same tower (they are in towers {first[0]} and {seen[feat.name]})")
+        missing = [n for n in spec.sparse_names if n not in seen]
         if missing:
             raise ConfigError(
                 f"feature {missing[0]!r} is in no tower ({len(missing)} missing: {missing})"
@@ -125,10 +133,10 @@ class TowerPlan(BaseModel):
             spec: the model's feature spec (the plan is validated against it).
 
         Returns:
-            A permutation of ``range(len(spec.tables))``.
+            A permutation of ``range(len(spec.categorical))``.
         """
         self.validate_for(spec)
-        index = {name: i for i, name in enumerate(spec.sparse)}
+        index = {name: i for i, name in enumerate(spec.sparse_names)}
         return [index[name] for tower in self.towers for name in tower.features]
 
     def tower_of(self, spec: FeatureSpec) -> list[int]:
@@ -138,11 +146,11 @@ class TowerPlan(BaseModel):
             spec: the model's feature spec (the plan is validated against it).
 
         Returns:
-            ``out[i]`` is the tower of ``spec.tables[i]``.
+            ``out[i]`` is the tower of ``spec.categorical[i]``.
         """
         self.validate_for(spec)
         tower = {name: t for t, tw in enumerate(self.towers) for name in tw.features}
-        return [tower[name] for name in spec.sparse]
+        return [tower[name] for name in spec.sparse_names]
 
     def with_compress(self, c: int | None) -> TowerPlan:
         """A copy in which every tower emits ``min(c, F_t)`` vectors (``None``: no compression).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dlrm_core.features import FeatureSpec
+from dlrm_core.schema import FeatureSpec
 from embedding_server.towers.plan import Tower, TowerPlan
 
 
@@ -86,7 +86,7 @@ def describe_towers(
     cost = (
         np.asarray(costs, dtype=np.float64)
         if costs is not None
-        else np.array([t.dim for t in spec.tables], dtype=np.float64)
+        else np.array(spec.feature_dims, dtype=np.float64)
     )
     groups: list[list[int]] = [[] for _ in plan.towers]
     for i, t in enumerate(tower_of):

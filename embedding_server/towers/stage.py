@@ -91,10 +91,12 @@ class TowerServerStage:
         t = self.tower = layout.tower_of_server[index]
         self.group_servers = layout.servers_of[t]
         self.tower_group = groups[t] if groups else None  # None: the tower has this server alone
-        self.group_pieces = {s: plan.pieces_on(s) for s in self.group_servers}
-        self.group_widths = [sum(p.dim for p in self.group_pieces[s]) for s in self.group_servers]
-        self.tower_tables = [(layout.spec.tables[i], plan.pieces_of(layout.spec.tables[i].name))
-                             for i in layout.tables_of[t]]
+        spec = layout.spec
+        self.group_slots = {s: plan.slots_on(s, spec.feature_tables) for s in self.group_servers}
+        self.group_widths = [sum(p.dim for _, p in self.group_slots[s]) for s in self.group_servers]
+        # Per tower feature: its table and the table's pieces (on this tower's servers).
+        self.tower_features = [(f, spec.table_of(f), plan.pieces_of(spec.table_of(f).name))
+                               for f in layout.features_of[t]]
         self.my_trainers = layout.trainers_of(index)
         self.group_trainers = [layout.trainers_of(s) for s in self.group_servers]  # contiguous blocks
         server.timings["tower_s"] = 0.0
@@ -104,7 +106,7 @@ class TowerServerStage:
         self.group_remote = [bool(hosts) and hosts[roles.server_rank(s)] != hosts[server.cluster.rank]
                              for s in self.group_servers]  # a tower straddling hosts: count its bytes
         torch.manual_seed(seed * 1_000_003 + t)  # every server of the tower starts from the same module
-        self.module = TowerModule(len(layout.tables_of[t]), layout.outputs[t], layout.dim, layout.out_dim)
+        self.module = TowerModule(len(layout.features_of[t]), layout.outputs[t], layout.dim, layout.out_dim)
         self.module_optimizer = build_dense_optimizer(optimizer, self.module.parameters())
         self.out_width = layout.width(t)
 
@@ -117,14 +119,14 @@ class TowerServerStage:
         mine = self.my_trainers
         b_mine = sum(batches[r] for r in mine)
         blocks, gathered, splits = self._gather_tower_features(pooled, batches, b_mine, train)
-        piece_out = {}
+        slot_out = {}
         for srv, block in blocks.items():
-            pieces = self.group_pieces[srv]
-            for p, cols in zip(pieces, torch.split(block, [p.dim for p in pieces], dim=1), strict=True):
-                piece_out[(p.table, p.row_start, p.col_start)] = cols
-        feats = [SCHEMES[pieces[0].kind].combine([piece_out[(p.table, p.row_start, p.col_start)] for p in pieces],
+            slots = self.group_slots[srv]
+            for (f, p), cols in zip(slots, torch.split(block, [p.dim for _, p in slots], dim=1), strict=True):
+                slot_out[(f, p.table, p.row_start, p.col_start)] = cols
+        feats = [SCHEMES[pieces[0].kind].combine([slot_out[(f, p.table, p.row_start, p.col_start)] for p in pieces],
                                                  None, table)
-                 for table, pieces in self.tower_tables]
+                 for f, table, pieces in self.tower_features]
         t1 = time.perf_counter()
         with torch.set_grad_enabled(train):
             z = torch.stack(feats, dim=1)  # [B_mine, F_t, D]
