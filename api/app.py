@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 
+from api import openapi
 from api.errors import register_error_handlers
 from api.metrics import ServingMetrics
 from api.middleware import BodyLimit, Observe
@@ -63,6 +64,7 @@ def create_app(
     app.state.api_key = settings.resolved_api_key()
     app.include_router(router)
     register_error_handlers(app, settings.retry_after_s)
+    openapi.install(app, settings.model_name)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(Observe)
     return app

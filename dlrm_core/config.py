@@ -51,37 +51,53 @@ def _suggest(key: str, section: type[BaseModel] | None) -> str:
 
 
 def _section_of(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """The model class that holds the field at ``loc`` (for did-you-mean suggestions)."""
+    """The model class that holds the field at ``loc`` (for did-you-mean suggestions); a union of
+    sections is resolved by the tag pydantic puts in ``loc`` (``features.0.categorical.nme``)."""
     model: type[BaseModel] | None = root
+    pending: list[type[BaseModel]] = []
     for part in loc[:-1]:
-        if model is None:
-            return None
         if isinstance(part, int):  # an item of a list of sections
             continue
-        if part not in model.model_fields:
+        tagged = [m for m in pending if _tag(m) == part]
+        if tagged:
+            model, pending = tagged[0], []
+            continue
+        if model is None or part not in model.model_fields:
             return None
-        model = _model_in(model.model_fields[part].annotation)
+        pending = _models_in(model.model_fields[part].annotation)
+        model = pending[0] if pending else None
     return model
 
 
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The BaseModel inside ``X``, ``list[X]`` or ``X | None`` (first one found)."""
+def _tag(model: type[BaseModel]) -> str | None:
+    """The ``kind`` a section of a tagged union declares (``Literal["dense"]`` -> ``dense``)."""
+    field = model.model_fields.get("kind")
+    args = typing.get_args(field.annotation) if field is not None else ()
+    return args[0] if len(args) == 1 and isinstance(args[0], str) else None
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The BaseModels inside ``X``, ``list[X]``, ``X | Y`` or ``Annotated[...]``, in order."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The first BaseModel inside ``annotation``."""
+    found = _models_in(annotation)
+    return found[0] if found else None
 
 
 def format_validation_error(exc: ValidationError, source: str, root: type[BaseModel]) -> str:
-    """The first error as one line: ``<source>: <section.field>: <what is wrong>``."""
-    err = exc.errors()[0]
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("dense", "categorical")))
+    """The first error as one line: ``<source>: <section.field>: <what is wrong>`` (a misspelt
+    key first: it usually explains the missing one)."""
+    err = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")[0]
+    full = tuple(err["loc"])
+    loc = tuple(p for p in full if not (isinstance(p, str) and p in ("dense", "categorical")))
     where = ".".join(str(p) for p in loc) or "(top level)"
     if err["type"] == "extra_forbidden":
-        return f"{source}: {where}: unknown setting{_suggest(str(loc[-1]), _section_of(root, loc))}"
+        return f"{source}: {where}: unknown setting{_suggest(str(loc[-1]), _section_of(root, full))}"
     got = err.get("input")
     got_txt = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""

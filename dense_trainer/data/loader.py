@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dlrm_core.batch import Batch, Position, SparseFeatures
+from dlrm_core.errors import DataError
 from dlrm_core.featurize import BadLine, ParsedBlock
 from dlrm_core.formats import InputReader
 from dlrm_core.formats.base import BadLineLog
@@ -107,6 +108,7 @@ class BatchLoader:
         self.bad_lines = BadLineLog(strict)
         self.stats = LoaderStats()
         self._reader = InputReader(spec, self.files)
+        self._checked = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -217,6 +219,7 @@ class BatchLoader:
             have = 0
             resuming = epoch == self.start.epoch and self.start != Position(epoch=epoch)
             for block in self._parsed_blocks(pool, epoch):
+                self._check_schema(block)
                 if resuming:  # rows (and bad lines) of this block before the position were consumed
                     block.cursor = min(self.start.rows_into_block, block.parsed.num_rows)
                     block.bad_reported = True
@@ -260,6 +263,20 @@ class BatchLoader:
         last = parts[-1][0]
         position = Position(epoch, last.file_index, last.offset, last.line, last.cursor)
         return self._to_batch(parts, position), bad
+
+    def _check_schema(self, block: _Block) -> None:
+        """A first block that is mostly malformed means the schema does not fit the data (a
+        label that is not 0/1, a wrong column): stop at once, naming the first bad line, rather
+        than skip every line."""
+        if self._checked:
+            return
+        self._checked = True
+        parsed = block.parsed
+        total = parsed.num_rows + len(parsed.bad)
+        if total >= 20 and len(parsed.bad) > 0.5 * total:
+            b = parsed.bad[0]
+            raise DataError(f"{b.file}:{b.line}: {b.reason} ({len(parsed.bad)} of the first {total} lines are "
+                            "malformed: does the schema fit this file?)")
 
     @staticmethod
     def _unreported(block: _Block) -> list[BadLine]:

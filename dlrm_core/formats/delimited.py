@@ -77,23 +77,39 @@ class DelimitedFormat:
             except (OSError, EOFError, gzip.BadGzipFile) as exc:
                 raise DataError(f"{path}: cannot read: {exc}") from None
 
+    def _fields(self, line: bytes) -> list[str]:
+        text = line.decode("utf-8", errors="replace").lstrip("\ufeff").rstrip("\r\n")
+        if self.quoted:
+            return [c.strip() for c in next(csv.reader([text], delimiter=self.delimiter), [])]
+        return [c.strip() for c in text.split(self.delimiter)]
+
+    def has_header(self, path: Path) -> bool:
+        """Whether the file starts with a header line. With ``header`` set, a file whose first line
+        is not a header of the known columns (``spec.columns``, e.g. the first training file's)
+        is read as data in that layout: a test file without the training file's header works."""
+        if not self.header:
+            return False
+        known = self.spec.columns
+        if not known:
+            return True
+        fields = self._fields(self._first_line(path))
+        named = {f.column if isinstance(f.column, str) else f.name for f in [*self.spec.dense, *self.spec.categorical]}
+        return fields == list(known) or named <= set(fields)
+
     def column_names(self, path: Path) -> list[str]:
         """The file's columns: its header, the spec's ``columns``, or ``0, 1, ...``."""
         first = self._first_line(path)
-        text = first.decode("utf-8", errors="replace").lstrip("\ufeff").rstrip("\r\n")
-        if self.header:
-            if not text:
+        if self.has_header(path):
+            if not first.strip():
                 raise DataError(f"{path}: empty file, expected a header line")
-            if self.quoted:
-                return [c.strip() for c in next(csv.reader([text], delimiter=self.delimiter))]
-            return [c.strip() for c in text.split(self.delimiter)]
+            return self._fields(first)
         if self.spec.columns:
             return list(self.spec.columns)
-        return [str(i) for i in range(text.count(self.delimiter) + 1)]
+        return [str(i) for i in range(len(self._fields(first)))]
 
     def data_start(self, path: Path) -> tuple[int, int]:
         """(byte offset, line number) of the first data line."""
-        if not self.header:
+        if not self.has_header(path):
             return 0, 1
         return len(self._first_line(path)), 2
 
