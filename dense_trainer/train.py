@@ -41,9 +41,10 @@ from dlrm_core.errors import ConfigError, DataError
 from dlrm_core.formats import InputReader, check_files
 from dlrm_core.schema import FeatureSpec
 from embedding_server.checkpoint import latest_checkpoint
-from embedding_server.client import EmbeddingClient, InProcessEmbeddingClient
+from embedding_server.client import EmbeddingClient
 from embedding_server.cluster import Cluster
 from embedding_server.optimizers import build_dense_optimizer
+from embedding_server.shard import InProcessEmbeddingClient
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,8 @@ A trainer asks its :class:`EmbeddingClient` for the pooled embeddings of a batch
 part of the autograd graph, and the backward pass hands the embedding gradients back to
 whoever holds the tables, which applies the fused optimizer. Backends:
 
-* :class:`InProcessEmbeddingClient`: the tables live in this process (single-node training);
+* :class:`~embedding_server.shard.InProcessEmbeddingClient`: the tables live in this process
+  (single-node training);
 * :class:`~embedding_server.dist_client.DistributedEmbeddingClient`: the tables live on
   embedding servers (``torch.distributed``); the same calls.
 """
@@ -20,10 +21,6 @@ import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
-from embedding_server.checkpoint import save_file
-from embedding_server.optimizers import SparseOptimizerConfig
-from embedding_server.shard import EmbeddingShard, LocalTable
-from embedding_server.table_checkpoint import CheckpointTables, shard_payload
 
 if TYPE_CHECKING:
     from embedding_server.planner import ShardingPlan
@@ -86,58 +83,3 @@ class EmbeddingClient(ABC):
 
     def close(self) -> None:  # noqa: B027 (nothing to release in process)
         """Release connections or processes."""
-
-
-class InProcessEmbeddingClient(EmbeddingClient):
-    """All tables in one :class:`EmbeddingShard` inside the trainer process.
-
-    Args:
-        tables: the model's tables.
-        feature_tables: the table of each categorical feature (None: one feature per table).
-    """
-
-    def __init__(
-        self,
-        tables: list[TableSpec],
-        optimizer: SparseOptimizerConfig,
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        init_scale: float | None = None,
-        feature_tables: list[int] | None = None,
-    ) -> None:
-        self.tables = tables
-        self.feature_tables = list(range(len(tables))) if feature_tables is None else list(feature_tables)
-        self.shard = EmbeddingShard(
-            [LocalTable(t, i) for i, t in enumerate(tables)], optimizer, device, seed, init_scale,
-            self.feature_tables,
-        )
-        self.device = torch.device(device)
-
-    def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
-        return self.shard(sparse.to(self.device, non_blocking=True))
-
-    def export_state(self) -> dict[str, torch.Tensor]:
-        """Every table's weights and optimizer state, by ``<table>.<name>`` (views)."""
-        return self.shard.export_state()
-
-    def import_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore what :meth:`export_state` returned."""
-        self.shard.import_state(state)
-
-    def table_weights(self) -> dict[str, torch.Tensor]:
-        """Each table's weights (views), by name: what live updates push."""
-        return self.shard.table_weights()
-
-    def live_start(self, publish: Callable[[], str] | None) -> str:
-        """One process holds everything: publishing is all there is to do."""
-        return publish() if publish is not None else ""
-
-    def save(self, directory: Path, step: int) -> None:
-        save_file(directory, "embeddings.pt", shard_payload(self.shard))
-
-    def restore(self, checkpoint: Path) -> None:
-        CheckpointTables(checkpoint).load_into(self.shard)
-
-    @property
-    def kernel(self) -> str:
-        return self.shard.kernel_name

@@ -1,4 +1,5 @@
-"""An embedding shard: the tables (or table pieces) one process holds, with a fused optimizer.
+"""An embedding shard: the tables (or table pieces) one process holds, with a fused optimizer,
+and the in-process embedding client that puts a whole model's tables in one shard.
 
 This is the module an embedding server runs, and the module the single-process trainer embeds.
 Tables are grouped by pooling mode; each group is one kernel (fbgemm TBE when it can run the
@@ -9,73 +10,23 @@ lookup is one fused call per group.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
+from embedding_server.checkpoint import save_file
+from embedding_server.client import EmbeddingClient
+from embedding_server.local_table import LocalTable, init_rows
 from embedding_server.optimizers import SparseOptimizerConfig
+from embedding_server.table_checkpoint import CheckpointTables, shard_payload
 from embedding_server.tbe import TBEKernel, fbgemm_supports
 from embedding_server.torch_kernel import TorchKernel
 
 log = logging.getLogger(__name__)
-
-INIT_BLOCK_ROWS = 65536
-"""Rows initialised from one seed: any row range initialises identically whatever the sharding."""
-
-
-@dataclass(frozen=True)
-class LocalTable:
-    """The piece of a global table that a shard holds: rows [row_start, row_start + spec.rows),
-    columns [col_start, col_start + spec.dim)."""
-
-    table: TableSpec
-    """The whole table."""
-    index: int
-    """Position of the table in the model's feature spec (seeds its initialisation)."""
-    row_start: int = 0
-    col_start: int = 0
-    rows: int | None = None
-    dim: int | None = None
-    pooling: str | None = None
-    """Pooling of the piece, when it differs from the table's (row-wise pieces of a mean-pooled
-    table pool with sum; the trainer divides by the whole bag's length)."""
-
-    @property
-    def spec(self) -> TableSpec:
-        """The local piece as a table of its own."""
-        return self.table.model_copy(
-            update={
-                "rows": self.rows or self.table.rows,
-                "dim": self.dim or self.table.dim,
-                "pooling": self.pooling or self.table.pooling,
-            }
-        )
-
-
-def init_rows(local: LocalTable, seed: int, init_scale: float | None = None) -> torch.Tensor:
-    """Initial weights of a table piece, float [R, D]: uniform(+-init_scale), or
-    uniform(+-sqrt(1/rows)) as in TorchRec and the DLRM reference when ``init_scale`` is None.
-
-    Each block of INIT_BLOCK_ROWS rows has its own seed, so a row's initial value does not
-    depend on how the table is sharded.
-    """
-    spec, table = local.spec, local.table
-    bound = init_scale if init_scale else math.sqrt(1.0 / table.rows)
-    out = torch.empty(spec.rows, spec.dim)
-    first, last = local.row_start, local.row_start + spec.rows
-    for block in range(first // INIT_BLOCK_ROWS, (last - 1) // INIT_BLOCK_ROWS + 1):
-        lo = block * INIT_BLOCK_ROWS
-        hi = min(lo + INIT_BLOCK_ROWS, table.rows)
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + local.index) * 1_000_003 + block)
-        full = torch.empty(hi - lo, table.dim).uniform_(-bound, bound, generator=gen)
-        a, b = max(lo, first), min(hi, last)
-        out[a - first : b - first] = full[a - lo : b - lo, local.col_start : local.col_start + spec.dim]
-    return out
-
 
 class EmbeddingShard(nn.Module):
     """Table pieces held by one process, looked up and updated together.
@@ -90,7 +41,6 @@ class EmbeddingShard(nn.Module):
             one table); None: one feature per piece, in order.
 
     Example:
-        >>> from dlrm_core.schema import TableSpec
         >>> shard = EmbeddingShard([LocalTable(TableSpec(name="C1", rows=10, dim=4), 0)],
         ...                        SparseOptimizerConfig())
         >>> shard(SparseFeatures.one_hot(torch.tensor([[1, 2, 3]]))).shape
@@ -220,3 +170,58 @@ class EmbeddingShard(nn.Module):
             dst.copy_(src)
         for kernel in self.kernels:
             kernel.step = int(state["step"])
+
+
+class InProcessEmbeddingClient(EmbeddingClient):
+    """All tables in one :class:`EmbeddingShard` inside the trainer process.
+
+    Args:
+        tables: the model's tables.
+        feature_tables: the table of each categorical feature (None: one feature per table).
+    """
+
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        optimizer: SparseOptimizerConfig,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+        init_scale: float | None = None,
+        feature_tables: list[int] | None = None,
+    ) -> None:
+        self.tables = tables
+        self.feature_tables = list(range(len(tables))) if feature_tables is None else list(feature_tables)
+        self.shard = EmbeddingShard(
+            [LocalTable(t, i) for i, t in enumerate(tables)], optimizer, device, seed, init_scale,
+            self.feature_tables,
+        )
+        self.device = torch.device(device)
+
+    def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
+        return self.shard(sparse.to(self.device, non_blocking=True))
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """Every table's weights and optimizer state, by ``<table>.<name>`` (views)."""
+        return self.shard.export_state()
+
+    def import_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`export_state` returned."""
+        self.shard.import_state(state)
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """Each table's weights (views), by name: what live updates push."""
+        return self.shard.table_weights()
+
+    def live_start(self, publish: Callable[[], str] | None) -> str:
+        """One process holds everything: publishing is all there is to do."""
+        return publish() if publish is not None else ""
+
+    def save(self, directory: Path, step: int) -> None:
+        save_file(directory, "embeddings.pt", shard_payload(self.shard))
+
+    def restore(self, checkpoint: Path) -> None:
+        CheckpointTables(checkpoint).load_into(self.shard)
+
+    @property
+    def kernel(self) -> str:
+        return self.shard.kernel_name

@@ -25,14 +25,14 @@ import torch
 
 from dlrm_core.errors import CheckpointError
 from embedding_server.checkpoint import load_file, read_manifest
-from embedding_server.shard import EmbeddingShard, LocalTable
+from embedding_server.local_table import LocalTable
 
 ROW_STATES = {"momentum1"}
 """States with one value per row (row-wise Adagrad); others are [rows, dim]."""
 
 
-def shard_payload(shard: EmbeddingShard) -> dict:
-    """What an embedding shard writes into a checkpoint (views, not copies)."""
+def shard_payload(shard) -> dict:
+    """What an embedding shard (``shard.EmbeddingShard``) writes into a checkpoint (views, not copies)."""
     state = shard.export_state()
     pieces: dict[str, list[list[int]]] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -113,7 +113,7 @@ class CheckpointTables:
                 out[f"{name}.{state}"] = self.read(name, state, local.row_start, spec.rows, local.col_start, spec.dim)
         return out
 
-    def load_into(self, shard: EmbeddingShard) -> None:
+    def load_into(self, shard) -> None:
         from embedding_server.optimizers import state_shapes
 
         names = tuple(state_shapes(shard.optimizer_config.kind, 1, 1))

@@ -6,9 +6,9 @@ import torch
 import embedding_server.shard as shard_mod
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
-from embedding_server.client import InProcessEmbeddingClient
+from embedding_server.local_table import LocalTable, init_rows
 from embedding_server.optimizers import SparseOptimizerConfig, apply_sparse_update
-from embedding_server.shard import EmbeddingShard, LocalTable, init_rows
+from embedding_server.shard import EmbeddingShard, InProcessEmbeddingClient
 from embedding_server.tbe import FBGEMM_IMPORT_ERROR
 
 TABLES = [
