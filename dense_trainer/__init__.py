@@ -1,9 +1,5 @@
-"""Dense side of the system: data readers and generators, DenseArch / InteractionArch /
-OverArch, the training loop and ``dlrm train``.
+"""The dense side: data loading, DenseArch / InteractionArch / OverArch, the training loop and its
+checkpoints and report, the distributed launcher, ``dlrm train``.
 
-Shape letters (as in ``embedding_server``):
-    B  batch size
-    F  sparse features;  N = F + 1 interaction inputs (F embeddings + the dense arch output)
-    D  embedding dim (the dense arch output dim)
-    I  dense (integer) features, 13 for Criteo
+It imports ``dlrm_core`` and ``embedding_server`` (shape letters: ``dlrm_core/__init__.py``).
 """

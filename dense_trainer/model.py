@@ -144,7 +144,9 @@ class DLRMDense(nn.Module):
     """DenseArch + InteractionArch (dot or DCN-v2) + OverArch.
 
     Args:
-        num_dense: I, dense features (0: no bottom MLP; the interaction sees the embeddings alone).
+        num_dense: I, dense features (0: no bottom MLP; a learned vector takes the dense vector's
+            place in the interaction, so that its dots with the embeddings carry each id's own
+            effect, which dots between embeddings alone learn slowly).
         table_dims: D_f of each categorical feature (or tower output), in order (may be empty:
             then the over arch sees the bottom MLP's output alone).
         cfg: layer sizes and interaction.
@@ -159,7 +161,8 @@ class DLRMDense(nn.Module):
         self.table_dims = list(table_dims)
         d = embedding_dim
         self.dense_arch = DenseArch(num_dense, [*cfg.dense_arch_layer_sizes, d]) if num_dense else None
-        dense_out = d if num_dense else 0
+        self.dense_vector = None if num_dense else nn.Parameter(torch.full((d,), d**-0.5))  # [D]
+        dense_out = d if num_dense or table_dims else 0
         # Tables whose dim differs from D are projected to D for the dot interaction.
         self.mixed_dims = any(t != d for t in table_dims)
         self.project = (
@@ -170,7 +173,7 @@ class DLRMDense(nn.Module):
         self.append_embeddings = append_embeddings and cfg.interaction == "dot"
         self.interaction = cfg.interaction if table_dims else "none"
         if self.interaction == "dot":
-            self.inter_arch: nn.Module | None = InteractionArch(len(table_dims), with_dense=bool(num_dense))
+            self.inter_arch: nn.Module | None = InteractionArch(len(table_dims))
             over_in = dense_out + self.inter_arch.num_pairs + (sum(table_dims) if self.append_embeddings else 0)
         elif self.interaction == "dcn":
             over_in = dense_out + sum(table_dims)
@@ -181,7 +184,10 @@ class DLRMDense(nn.Module):
 
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """dense float [B, I], embedded float [B, sum(D_f)] -> logits float [B]."""
-        x = self.dense_arch(dense) if self.dense_arch is not None else None  # [B, D]
+        if self.dense_arch is not None:
+            x = self.dense_arch(dense)  # [B, D]
+        else:
+            x = self.dense_vector.expand(embedded.shape[0], -1)  # [B, D]
         if self.interaction == "none":
             z = x
         elif self.interaction == "dcn":

@@ -77,11 +77,12 @@ def pair_reliance(model, lookup, probe, chunk: int = 16) -> np.ndarray:
         z = torch.stack([p(e) for p, e in zip(model.project, parts, strict=True)], 1)
     else:
         z = embedded.view(b, f, -1)  # [B, F, D]
-    x = model.dense_arch(probe.dense) if model.dense_arch is not None else None  # [B, D]
+    b = embedded.shape[0]
+    x = model.dense_arch(probe.dense) if model.dense_arch is not None else model.dense_vector.expand(b, -1)  # [B, D]
     inter = model.inter_arch(x, z)  # [B, D + P], pairs over (dense, C1..CF) in triu order
     base = model.over_arch(inter)  # [B, 1]
-    lead = 0 if x is None else 1  # the dense vector comes first
-    d = 0 if x is None else x.shape[1]
+    lead = 1  # the dense vector comes first
+    d = x.shape[1]
     n = f + lead
     rows, cols = torch.triu_indices(n, n, offset=1)
     sparse_pairs = [k for k in range(rows.numel()) if rows[k] >= lead]  # not the dense vector's pairs

@@ -75,7 +75,10 @@ class EmbeddingShard(nn.Module):
         # table pools that way; a table belongs to exactly one kernel.
         pooling = [tables[t].spec.pooling for t in self.feature_map]
         poolings = list(dict.fromkeys(pooling))
-        self.group_features = [[i for i, p in enumerate(pooling) if p == mode] for mode in poolings]
+        # Within a kernel, features of one table come together (fbgemm's CPU row-wise Adagrad
+        # needs a shared table's features contiguous); outputs are put back in feature order.
+        self.group_features = [sorted((i for i, p in enumerate(pooling) if p == mode), key=self._table_rank)
+                               for mode in poolings]
         self.group_tables = [list(dict.fromkeys(self.feature_map[i] for i in feats)) for feats in self.group_features]
         self.kernels = nn.ModuleList(
             kernel_cls([tables[t].spec for t in group], optimizer, device,
@@ -92,7 +95,7 @@ class EmbeddingShard(nn.Module):
         order = torch.cat(group_cols) if group_cols else torch.zeros(0, dtype=torch.int64)
         self._unpermute = (
             None
-            if len(self.kernels) <= 1
+            if torch.equal(order, torch.arange(order.numel()))
             else torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).to(device)
         )
         self.reset_parameters(seed)
@@ -112,9 +115,15 @@ class EmbeddingShard(nn.Module):
             for name, tensor in state.items():
                 tensor.fill_(start if name == "momentum1" else 0.0)
 
+    def _table_rank(self, feature: int) -> int:
+        """Order of a feature's table among the tables, by first use."""
+        return list(dict.fromkeys(self.feature_map)).index(self.feature_map[feature])
+
     def forward(self, sparse: SparseFeatures) -> torch.Tensor:
         """Pooled embeddings of every bag: ids of F features for B examples -> float [B, sum(D_f)]."""
-        if len(self.kernels) == 1:
+        if not self.kernels:  # a model without categorical features
+            return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
+        if len(self.kernels) == 1 and self._unpermute is None:  # one kernel, features in order
             return self.kernels[0](sparse.values, sparse.offsets)
         outs = [
             kernel(sub.values, sub.offsets)
@@ -122,7 +131,8 @@ class EmbeddingShard(nn.Module):
                 self.kernels, (sparse.select_features(f) for f in self.group_features), strict=True
             )
         ]
-        return torch.cat(outs, dim=1).index_select(1, self._unpermute)  # [B, sum(D_f)]
+        out = torch.cat(outs, dim=1)  # [B, sum(D_f)], grouped
+        return out if self._unpermute is None else out.index_select(1, self._unpermute)
 
     # -- state ------------------------------------------------------------------------------
 

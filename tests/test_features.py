@@ -4,8 +4,23 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dlrm_core.featurize import LABEL, Featurizer, hash_strings, hex_to_uint64, raw_ids, to_rows, transform_dense
-from dlrm_core.schema import CategoricalFeature, DenseFeature, FeatureSpec, TableSpec, build_spec, criteo_spec
+from dlrm_core.featurize import (
+    LABEL,
+    Featurizer,
+    hash_strings,
+    hex_to_uint64,
+    raw_ids,
+    to_rows,
+    transform_dense,
+)
+from dlrm_core.schema import (
+    CategoricalFeature,
+    DenseFeature,
+    FeatureSpec,
+    TableSpec,
+    build_spec,
+    criteo_spec,
+)
 
 
 def test_hex_parsing_matches_python_int():
@@ -20,6 +35,16 @@ def test_hex_missing_and_invalid():
     ints, ok = hex_to_uint64(pa.array(["", None, "xyz1", "12345678901234567", "0a", "1 2"]))
     assert ok.tolist() == [True, True, False, False, True, False]
     assert ints[0] == 0 and ints[1] == 0 and ints[4] == 10
+
+
+def test_hex_rejects_non_ascii_without_disturbing_the_rest():
+    ints, ok = hex_to_uint64(pa.array(["é", "ff", "10"]))
+    assert ok.tolist() == [False, True, True] and ints.tolist() == [0, 255, 16]
+
+
+def test_unsigned_integers_above_int64_keep_their_value():
+    ids, ok = raw_ids(pa.array([2**64 - 1, 5], type=pa.uint64()), "int")
+    assert ok.all() and ids.tolist() == [2**64 - 1, 5]
 
 
 def test_hex_on_sliced_array():

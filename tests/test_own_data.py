@@ -102,11 +102,20 @@ def test_served_named_instances_reproduce_offline_auc(backend, table, tmp_path, 
     assert abs(roc_auc(np.array(scores), labels) - metrics["test_auc"]) < 0.002
 
 
+def shared(cfg):
+    """The config with `user` and `ad` reading one table (features sharing a table)."""
+    feats = [f.model_copy(update={"table": "ids", "rows": 50_000}) if f.name in ("user", "ad") else f
+             for f in cfg.features]
+    return cfg.model_copy(update={"features": feats})
+
+
 @pytest.mark.slow
 def test_distributed_and_towers_match_one_process_on_a_csv_schema(table, tmp_path):
     over = {"train": {"log_step_losses": True, "max_steps": 40}}
-    single = Trainer(table_config(table, **over), tmp_path / "single").fit([table / "train.csv"], [table / "test.csv"])
-    cfg = table_config(table, **over, dist={"embedding_servers": 2, "trainers": 2, "sharding": "row_wise"})
+    single = Trainer(shared(table_config(table, **over)), tmp_path / "single").fit([table / "train.csv"],
+                                                                                    [table / "test.csv"])
+    cfg = shared(table_config(table, **over, dist={"embedding_servers": 2, "trainers": 2, "sharding": "row_wise"}))
+    assert cfg.feature_spec().shares_tables
     dist = launch_local(cfg, [table / "train.csv"], [table / "test.csv"], tmp_path / "dist", resume=False)
     a, b = np.array(single["step_losses"]), np.array(dist["step_losses"])
     assert len(a) == len(b) == 40 and np.max(np.abs(a - b) / np.abs(a)) < 1e-4
@@ -118,7 +127,8 @@ def test_distributed_and_towers_match_one_process_on_a_csv_schema(table, tmp_pat
     groups = list(tables.values())
     plan = {"towers": [{"features": sum(groups[0::2], [])}, {"features": sum(groups[1::2], [])}]}
     (tmp_path / "towers.json").write_text(json.dumps(plan))
-    cfg = table_config(table, **over, dist={"embedding_servers": 2, "trainers": 1, "towers": str(tmp_path / "towers.json")})
+    cfg = shared(table_config(table, **over, dist={"embedding_servers": 2, "trainers": 1,
+                                                   "towers": str(tmp_path / "towers.json")}))
     towers = launch_local(cfg, [table / "train.csv"], [table / "test.csv"], tmp_path / "towers", resume=False)
     c = np.array(towers["step_losses"])
     assert len(c) == 40 and np.max(np.abs(a - c) / np.abs(a)) < 1e-4
@@ -142,9 +152,8 @@ def test_a_schema_with_one_kind_of_feature_trains(keep, table, tmp_path):
     kind = "dense" if keep == "dense" else "categorical"
     features = [f for f in cfg.features if f.kind == kind]
     cfg = cfg.model_copy(update={"features": features})
-    cfg.train.max_steps = 20
     metrics = Trainer(cfg, tmp_path / keep).fit([table / "train.csv"], [table / "test.csv"])
-    assert 0.5 < metrics["test_auc"] < 1 and metrics["steps"] == 20
+    assert 0.58 < metrics["test_auc"] < 1 and metrics["samples_seen"] == 20_000
 
 
 def test_config_in_repo_for_the_avazu_sample_loads():
