@@ -3,9 +3,19 @@ baseline (same trainer, hashed features) and a plain PyTorch DLRM (26 nn.Embeddi
 SparseAdam, same data through the same reader and hashing, one epoch), on
 
 * the real Criteo sample (../shared/data/criteo-wideresdnn: 8,000 rows to train, 2,000 to test);
-* 500k generated planted-teacher rows (100k test rows), beside the teacher's Bayes-optimal AUC.
+* 500k generated planted-teacher rows (100k test rows), beside the teacher's Bayes-optimal AUC;
 
-Usage: python bench/quality.py [--synth-rows 500000]. Writes bench/results/quality.{json,md}.
+and, with your own data's path (``--parts own``: the schema comes from ``dlrm data schema`` on
+the training file, as a user would make it; ours against a hashed logistic regression on the
+same columns, several seeds):
+
+* a generated user-style CSV table (``dlrm data synth --format csv``: the label in the middle, an
+  ignored id column, string and integer categoricals, a multi-hot column, numeric columns with
+  gaps), 500k / 100k rows, beside its Bayes-optimal AUC;
+* the real Avazu sample (../shared/data/avazu-wideresdnn: 8,999 rows to train, 1,000 to test).
+
+Usage: python bench/quality.py [--parts criteo,own] [--synth-rows 500000] [--seeds 3].
+Writes bench/results/quality.{json,md} (the parts run, merged with the others' last results).
 """
 
 from __future__ import annotations
@@ -30,8 +40,10 @@ from plain_dlrm import PlainDLRM  # noqa: E402
 from dense_trainer.config import Config, load_config  # noqa: E402
 from dense_trainer.data.loader import BatchLoader  # noqa: E402
 from dense_trainer.data.synth import synthesize  # noqa: E402
+from dense_trainer.data.synth_table import synthesize_table  # noqa: E402
 from dense_trainer.metrics import log_loss_from_logits, roc_auc  # noqa: E402
 from dense_trainer.train import Trainer  # noqa: E402
+from dlrm_core.inference import infer_schema  # noqa: E402
 
 PLAIN_LR = 1e-3  # SparseAdam's and Adam's default
 
@@ -74,18 +86,7 @@ def run_plain(cfg: Config, train: Path, test: Path, init_scale: float | None = N
             "train_samples_per_s": seen / elapsed, "samples_seen": seen}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--synth-rows", type=int, default=500_000)
-    p.add_argument("--synth-test-rows", type=int, default=100_000)
-    p.add_argument("--criteo", type=Path, default=REPO.parent / "shared" / "data" / "criteo-wideresdnn")
-    p.add_argument("--work", type=Path, default=REPO / "build" / "bench")
-    p.add_argument("--out", type=Path, default=HERE / "results")
-    args = p.parse_args()
-
-    quiet = [{"train": {"progress": False, "checkpoint_every_steps": 0}}]
-    default = load_config(None, quiet)
-    lr = load_config(None, quiet + [{"model": {"kind": "lr"}}])
+def criteo_part(args, default: Config, lr: Config) -> dict:
     synth = args.work / f"synth-{args.synth_rows}"
     if not (synth / "bayes.json").exists():
         print(f"generating {args.synth_rows:,} rows into {synth}", file=sys.stderr)
@@ -114,8 +115,76 @@ def main() -> None:
         if bayes:
             row["Bayes-optimal (teacher)"] = {"test_auc": bayes["test_auc"], "test_logloss": bayes["test_logloss"]}
         results[name] = row
+    return results
+
+
+def mean_of(runs: list[dict]) -> dict:
+    out = {k: float(np.mean([r[k] for r in runs])) for k in ("test_auc", "test_logloss", "train_samples_per_s")}
+    out["seeds"] = [round(r["test_auc"], 4) for r in runs]
+    out["samples_seen"] = runs[0]["samples_seen"]
+    return out
+
+
+def own_part(args, quiet: list[dict]) -> dict:
+    """Your own data's path: `dlrm data schema` on the training file, then ours vs hashed LR."""
+    table = args.work / f"table-{args.synth_rows}"
+    if not (table / "bayes.json").exists():
+        print(f"generating a {args.synth_rows:,}-row CSV table into {table}", file=sys.stderr)
+        synthesize_table(table, args.synth_rows, args.synth_test_rows, seed=0, format="csv")
+    avazu = args.avazu
+    datasets = {
+        f"own CSV table-{args.synth_rows // 1000}k": (table / "train.csv", table / "test.csv",
+                                                    json.loads((table / "bayes.json").read_text()), []),
+        "Avazu sample (real)": (avazu / "train.csv", avazu / "test.csv", None, ["id"]),
+    }
+    results = {}
+    for name, (train, test, bayes, ignore) in datasets.items():
+        if not train.exists():
+            print(f"skipping {name}: {train} not found", file=sys.stderr)
+            continue
+        schema = infer_schema([train], "click", ignore=ignore)
+        path = args.work / f"{name.split()[0]}-{name.split()[-1]}-schema.toml"
+        path.write_text(schema.to_toml(f"dlrm data schema {train} --label click"))
+        row = {}
+        for system, extra in (("ours (schema from `dlrm data schema`)", {}),
+                              ("hashed logistic regression, same columns", {"model": {"kind": "lr"}})):
+            runs = []
+            for seed in range(args.seeds):
+                cfg = load_config(path, quiet + [extra, {"train": {"seed": seed}}])
+                print(f"{name}: {system}, seed {seed}", file=sys.stderr, flush=True)
+                runs.append(run_ours(cfg, train, test))
+            row[system] = mean_of(runs)
+        if bayes:
+            row["Bayes-optimal (teacher)"] = {"test_auc": bayes["test_auc"], "test_logloss": bayes["test_logloss"]}
+        results[name] = row
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="criteo,own", help="comma-separated: criteo, own")
+    p.add_argument("--synth-rows", type=int, default=500_000)
+    p.add_argument("--synth-test-rows", type=int, default=100_000)
+    p.add_argument("--seeds", type=int, default=3, help="seeds of the own-data runs (mean reported)")
+    p.add_argument("--criteo", type=Path, default=REPO.parent / "shared" / "data" / "criteo-wideresdnn")
+    p.add_argument("--avazu", type=Path, default=REPO.parent / "shared" / "data" / "avazu-wideresdnn")
+    p.add_argument("--work", type=Path, default=REPO / "build" / "bench")
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    args = p.parse_args()
+    parts = set(args.parts.split(","))
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    quiet = [{"train": {"progress": False, "checkpoint_every_steps": 0}}]
+    default = load_config(None, quiet)
+    lr = load_config(None, quiet + [{"model": {"kind": "lr"}}])
+    previous = json.loads((args.out / "quality.json").read_text()) if (args.out / "quality.json").exists() else {}
+    results = dict(previous.get("results", {}))
+    if "criteo" in parts:
+        results.update(criteo_part(args, default, lr))
+    if "own" in parts:
+        results.update(own_part(args, quiet))
     out = {"results": results, "date": time.strftime("%Y-%m-%d %H:%M"), "plain_lr": PLAIN_LR,
-           "default_config": default.model_dump(mode="json")}
+           "default_config": default.model_dump(mode="json"), "parts_run": sorted(parts)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quality.json").write_text(json.dumps(out, indent=2) + "\n")
     md = render(out)
@@ -129,7 +198,8 @@ def render(out: dict) -> str:
     for data, rows in out["results"].items():
         for system, r in rows.items():
             sps = f"{r['train_samples_per_s']:,.0f}" if "train_samples_per_s" in r else "-"
-            lines.append(f"| {data} | {system} | {r['test_auc']:.4f} | {r['test_logloss']:.4f} | {sps} |")
+            seeds = f" (seeds: {', '.join(map(str, r['seeds']))})" if "seeds" in r else ""
+            lines.append(f"| {data} | {system}{seeds} | {r['test_auc']:.4f} | {r['test_logloss']:.4f} | {sps} |")
     return "\n".join(lines) + "\n"
 
 

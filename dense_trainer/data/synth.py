@@ -119,9 +119,8 @@ def _sample(teacher: Teacher, n: int, rng: np.random.Generator):
     return ids, counts, logit
 
 
-def _calibrate(teacher: Teacher, ctr: float, seed: int) -> None:
-    """Solve the intercept so that the mean click probability is ``ctr``."""
-    _, _, logit = _sample(teacher, 50_000, np.random.default_rng(seed + 7))
+def solve_intercept(logit: np.ndarray, ctr: float) -> float:
+    """The shift of ``logit`` (bisection) that makes the mean click probability ``ctr``."""
     lo, hi = -20.0, 20.0
     for _ in range(60):
         mid = (lo + hi) / 2
@@ -129,7 +128,13 @@ def _calibrate(teacher: Teacher, ctr: float, seed: int) -> None:
             lo = mid
         else:
             hi = mid
-    teacher.intercept = (lo + hi) / 2
+    return (lo + hi) / 2
+
+
+def _calibrate(teacher: Teacher, ctr: float, seed: int) -> None:
+    """Solve the intercept so that the mean click probability is ``ctr``."""
+    _, _, logit = _sample(teacher, 50_000, np.random.default_rng(seed + 7))
+    teacher.intercept = solve_intercept(logit, ctr)
 
 
 def _hex_column(values: np.ndarray, valid: np.ndarray) -> pa.Array:

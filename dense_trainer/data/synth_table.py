@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dense_trainer.data.synth import solve_intercept
 from dense_trainer.metrics import log_loss, roc_auc
 
 COLUMNS = ["row_id", "user", "hour", "ad", "click", "price", "clicks_7d", "tags", "device", "score"]
@@ -168,15 +169,7 @@ def _sample(t: Teacher, n: int, rng: np.random.Generator) -> Rows:
 
 def _calibrate(t: Teacher, ctr: float, seed: int) -> None:
     """Solve the intercept so that the mean click probability is ``ctr``."""
-    logit = _sample(t, 50_000, np.random.default_rng([seed, 7])).logit
-    lo, hi = -20.0, 20.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if np.mean(1 / (1 + np.exp(-(logit + mid)))) < ctr:
-            lo = mid
-        else:
-            hi = mid
-    t.intercept = (lo + hi) / 2
+    t.intercept = solve_intercept(_sample(t, 50_000, np.random.default_rng([seed, 7])).logit, ctr)
 
 
 # -- rows -> an arrow table -> a file -------------------------------------------------------------------
