@@ -43,6 +43,8 @@ from embedding_server.server import EmbeddingServer
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.plan import TowerPlan
 from embedding_server.towers.stage import TowerClientStage, TowerServerStage
+from embedding_server.transport import open_transport
+from embedding_server.wire import ids_dtype
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,7 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         holder = [(plan or make_plan(cfg, train)).model_dump_json() if rank == 0 else None]
         dist.broadcast_object_list(holder, src=0)
         plan = ShardingPlan.model_validate_json(holder[0])
+        cluster.transport = open_transport(cluster, ids_dtype(max((p.rows for p in plan.pieces), default=0)))
         spec = cfg.feature_spec()
         layout = tower_layout(cfg, cluster.topology)
         # Every rank makes every tower's group (a collective), in tower order.

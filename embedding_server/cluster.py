@@ -64,7 +64,10 @@ class Cluster:
     topology: Topology | None = None
     """Host of every rank."""
     exchange: Exchange | None = None
-    """The world all-to-all (flat or hierarchical) that trainers and servers talk over."""
+    """The world all-to-all (flat or hierarchical) of the collective route."""
+    transport: object | None = None
+    """How trainers and servers exchange messages (``transport.open_transport``, once the plan
+    fixes the id dtype)."""
 
     @property
     def is_trainer(self) -> bool:
