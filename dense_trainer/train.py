@@ -206,6 +206,13 @@ class Trainer:
         return Steps(loaders, len(self.spec.dense), len(self.spec.categorical), self._agree,
                      min(p.epoch for p in starts))
 
+    def loader(self, files, batch_size: int, epochs: int = 1, max_rows: int = 0) -> BatchLoader:
+        """A plain loader of ``files`` with this run's data settings (one share: every row)."""
+        d = self.cfg.data
+        return BatchLoader(files, self.spec, batch_size, num_workers=d.num_workers, block_bytes=d.block_bytes,
+                           prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs, max_rows=max_rows,
+                           pin_memory=self.device.type == "cuda")
+
     def _agree(self, vector: list[float]) -> list[float]:
         """Sum a per-step vector over the trainers (they call it together)."""
         if self.trainers == 1:

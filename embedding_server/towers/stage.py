@@ -61,13 +61,15 @@ class TowerClientStage:
         blocks = torch.split(received, [b * w for w in self.recv_widths])
         out = torch.cat([blk.view(b, w) for blk, w in zip(blocks, self.recv_widths, strict=True) if w], dim=1)
         if self.in_table_order is not None:  # identity towers: the flat model's column order
-            out = out.view(b, len(self.in_table_order), self.layout.dim)[:, self.in_table_order].reshape(b, -1)
+            n = len(self.in_table_order)
+            out = out.view(b, n, self.layout.dim)[:, self.in_table_order].reshape(b, n * self.layout.dim)
         return out
 
     def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> tuple[list, list[int]]:
         """[B, C * D'] -> per tower, to the server running its module: (flat parts, elements per server)."""
         if self.in_table_order is not None:
-            grad = grad.view(b, len(self.layout.feature_order), self.layout.dim)[:, self.layout.feature_order].reshape(b, -1)
+            n = len(self.layout.feature_order)
+            grad = grad.view(b, n, self.layout.dim)[:, self.layout.feature_order].reshape(b, n * self.layout.dim)
         blocks = torch.split(grad, [w for w in self.recv_widths if w], dim=1)
         return [blk.reshape(-1) for blk in blocks], [b * w for w in self.recv_widths]
 
