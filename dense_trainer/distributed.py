@@ -43,7 +43,7 @@ from embedding_server.server import EmbeddingServer
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.plan import TowerPlan
 from embedding_server.towers.stage import TowerClientStage, TowerServerStage
-from embedding_server.transport import open_transport
+from embedding_server.transport import exchange_chunks, open_transport
 from embedding_server.wire import ids_dtype
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         cluster.transport = open_transport(cluster, ids_dtype(max((p.rows for p in plan.pieces), default=0)))
         spec = cfg.feature_spec()
         layout = tower_layout(cfg, cluster.topology)
+        chunks = exchange_chunks(d.exchange_chunks, cluster, layout is not None)
         # Every rank makes every tower's group (a collective), in tower order.
         groups = None
         if layout is not None:
@@ -143,7 +144,7 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
 
             stage = TowerClientStage(layout, rank, roles.num_servers) if layout is not None else None
             client = DistributedEmbeddingClient(cluster, plan, spec, grad_scale=1.0 / roles.num_trainers,
-                                                exchange_dtype=cfg.dist.exchange_dtype, stage=stage)
+                                                exchange_dtype=cfg.dist.exchange_dtype, stage=stage, chunks=chunks)
             metrics = Trainer(cfg, out, client=client, cluster=cluster).fit(train, test, resume=resume)
             return metrics if cluster.is_master else None
         # An embedding server outlives signals: it stops when the trainers say so (after their
@@ -155,7 +156,7 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
             def stage(server):
                 return TowerServerStage(server, layout, plan, groups, cfg.optim, cfg.train.seed)
         server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, cfg.train.seed,
-                                 out / "checkpoints", stage)
+                                 out / "checkpoints", stage, chunks)
         if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
             server.restore(ckpt)
         dist.barrier(group=cluster.slow_group)  # every rank restored (however long that took)

@@ -39,46 +39,67 @@ from embedding_server.sharding import SCHEMES
 from embedding_server.transport import GRADS, POOLED, Pending
 from embedding_server.wire import EXCHANGE_DTYPES, Command, id_message, ids_dtype, pack_ids
 
+Messages = list[tuple[int, int]]
+"""(server index, elements) of each pooled message of a lookup, in the order they are received."""
+
 
 class ClientStage(Protocol):
     """What the servers send back and how it becomes the dense network's input."""
 
-    recv_widths: list[int]
-    """Floats per example that each server sends this trainer."""
     layout: object | None
     """The tower layout, for a tower stage (None: the flat model)."""
 
     def output_dims(self, flat_dims: list[int]) -> list[int]: ...
 
-    def assemble(self, received: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
-        """The received floats (server by server) -> the dense input [B, sum of output dims]."""
+    def messages(self, b: int) -> Messages:
+        """The pooled messages of a lookup of ``b`` examples, in order."""
 
-    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> tuple[list, list[int]]:
-        """Its gradient -> (flat parts in server order, elements for each server)."""
+    def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+        """The received messages (as :meth:`messages` lists them) -> the dense input
+        [B, sum of output dims]."""
+
+    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        """Its gradient -> (server index, flat part) of each gradient message, in sending order."""
 
 
 class FlatStage:
-    """Per server [B, width] -> per slot (feature, piece) [B, d_p] -> per feature [B, D_f] -> [B, sum D_f]."""
+    """Per server and chunk [B, width_k] -> per slot (feature, piece) [B, d_p] -> per feature
+    [B, D_f] -> [B, sum D_f]. A server's slots come chunk by chunk (``planner.chunks_on``): one
+    message per chunk and direction, so that a chunk's gradients can be applied, and its rows
+    looked up again, while the next chunk is still on the wire."""
 
     layout = None
 
-    def __init__(self, plan: ShardingPlan, spec: FeatureSpec, num_servers: int) -> None:
+    def __init__(self, plan: ShardingPlan, spec: FeatureSpec, num_servers: int, chunks: int = 1) -> None:
         self.spec = spec
-        self.server_slots = [plan.slots_on(s, spec.feature_tables) for s in range(num_servers)]
-        self.widths = [sum(p.dim for _, p in slots) for slots in self.server_slots]
-        self.recv_widths = self.widths
+        self.server_slots = [plan.slots_on(s, spec.feature_tables, chunks) for s in range(num_servers)]
+        self.chunk_widths = []
+        for s, slots in enumerate(self.server_slots):
+            sizes = plan.chunks_on(s, spec.feature_tables, chunks) if slots else []
+            starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+            self.chunk_widths.append([sum(p.dim for _, p in slots[starts[k] : starts[k + 1]]) for k in range(len(sizes))])
+        self.widths = [sum(w) for w in self.chunk_widths]
         self.feature_pieces = [plan.pieces_of(spec.tables[t].name) for t in spec.feature_tables]
+        rounds = max((len(w) for w in self.chunk_widths), default=0)
+        # Message order: chunk 0 of every server, then chunk 1 ... (each server's chunks in order).
+        self.order = [(s, k) for k in range(rounds) for s in range(num_servers) if k < len(self.chunk_widths[s])]
 
     def output_dims(self, flat_dims: list[int]) -> list[int]:
         return flat_dims
 
-    def assemble(self, received: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
-        blocks = torch.split(received, [b * w for w in self.widths])
+    def messages(self, b: int) -> Messages:
+        return [(s, b * self.chunk_widths[s][k]) for s, k in self.order]
+
+    def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+        blocks: list[list[torch.Tensor]] = [[None] * len(w) for w in self.chunk_widths]
+        for (s, k), msg in zip(self.order, received, strict=True):
+            blocks[s][k] = msg.view(b, self.chunk_widths[s][k])
         slot_out = {}
-        for s, block in enumerate(blocks):
-            slots = self.server_slots[s]
-            cols = torch.split(block.view(b, self.widths[s]), [p.dim for _, p in slots], dim=1)
-            for (f, p), c in zip(slots, cols, strict=True):
+        for s, slots in enumerate(self.server_slots):
+            if not slots:
+                continue
+            block = torch.cat(blocks[s], dim=1) if len(blocks[s]) > 1 else blocks[s][0]  # [B, width_s]
+            for (f, p), c in zip(slots, torch.split(block, [p.dim for _, p in slots], dim=1), strict=True):
                 slot_out[(f, id(p))] = c
         feats = []
         for f, pieces in enumerate(self.feature_pieces):
@@ -86,7 +107,7 @@ class FlatStage:
             feats.append(SCHEMES[pieces[0].kind].combine([slot_out[(f, id(p))] for p in pieces], bag_lengths[f], table))
         return torch.cat(feats, dim=1)
 
-    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> tuple[list, list[int]]:
+    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
         per_slot = {}
         col = 0
         for f, pieces in enumerate(self.feature_pieces):
@@ -95,9 +116,11 @@ class FlatStage:
             col += table.dim
             for p, gp in zip(pieces, SCHEMES[pieces[0].kind].split_grad(g, bag_lengths[f], pieces, table), strict=True):
                 per_slot[(f, id(p))] = gp
-        parts = [torch.cat([per_slot[(f, id(p))] for f, p in slots], dim=1) if slots else torch.zeros(b, 0)
-                 for slots in self.server_slots]
-        return [p.reshape(-1) for p in parts], [b * w for w in self.widths]
+        per_server = [torch.cat([per_slot[(f, id(p))] for f, p in slots], dim=1) if slots else None
+                      for slots in self.server_slots]
+        chunks = [torch.split(g, w, dim=1) if g is not None else [] for g, w in zip(per_server, self.chunk_widths,
+                                                                                      strict=True)]
+        return [(s, chunks[s][k].reshape(-1)) for s, k in self.order]
 
 
 @dataclass
@@ -131,10 +154,11 @@ class DistributedEmbeddingClient(EmbeddingClient):
             scaled for DDP's averaging, the servers sum over trainers).
         exchange_dtype: fp32, or fp16/bf16 to halve the bytes of pooled embeddings and gradients.
         stage: what the servers send back (default: the flat model's pooled vectors).
+        chunks: pooled / gradient messages per server and step (the flat stage's chunks).
     """
 
     def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, grad_scale: float = 1.0,
-                 exchange_dtype: str = "fp32", stage: ClientStage | None = None) -> None:
+                 exchange_dtype: str = "fp32", stage: ClientStage | None = None, chunks: int = 1) -> None:
         self.cluster = cluster
         self.roles = cluster.roles
         self._plan = plan
@@ -148,7 +172,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self.transport = cluster.transport
         self.servers = [self.roles.server_rank(s) for s in range(self.roles.num_servers)]
         self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))
-        self.stage = stage or FlatStage(plan, spec, self.roles.num_servers)
+        self.stage = stage or FlatStage(plan, spec, self.roles.num_servers, chunks)
         self._placeholder = torch.zeros(0, requires_grad=True)
         self._stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0, "prefetched": 0}
         self._next: Future | None = None  # a prefetched training lookup
@@ -207,9 +231,10 @@ class DistributedEmbeddingClient(EmbeddingClient):
         b = sparse.batch_size
         payloads, bag_lengths = self._route(sparse)
         messages = [id_message(command, 0, b, p) for p in payloads]
+        layout = self.stage.messages(b)
         with self._lock:  # one id message per server and step, in order
             sent = self.transport.send_ids(messages)
-            pooled = self.transport.recv_floats(self.servers, [b * w for w in self.stage.recv_widths],
+            pooled = self.transport.recv_floats([self.servers[s] for s, _ in layout], [n for _, n in layout],
                                                 self.wire_dtype, POOLED)
         self._stats["bytes_out"] += sum(m.numel() * m.element_size() for m in messages)
         self._stats["lookups"] += 1
@@ -221,18 +246,14 @@ class DistributedEmbeddingClient(EmbeddingClient):
         parts = inflight.pooled.wait()
         inflight.sent.wait()
         self._stats["comm_s"] += time.perf_counter() - t0
-        received = torch.cat(parts) if parts else torch.zeros(0, dtype=self.wire_dtype)
-        self._stats["bytes_in"] += received.numel() * received.element_size()
-        return self.stage.assemble(received.float(), inflight.batch, inflight.bag_lengths)
+        self._stats["bytes_in"] += sum(p.numel() * p.element_size() for p in parts)
+        return self.stage.assemble([p.float() for p in parts], inflight.batch, inflight.bag_lengths)
 
     def _send_grads(self, grad: torch.Tensor, inflight: _InFlight) -> None:
-        parts, per_server = self.stage.split_grad(grad * self.grad_scale, inflight.batch, inflight.bag_lengths)
-        tensors = [p.reshape(-1).to(self.wire_dtype) for p in parts]
-        if len(tensors) != len(self.servers):  # a tower stage sends only to the servers it heard from
-            it = iter(tensors)
-            tensors = [next(it) if n else torch.empty(0, dtype=self.wire_dtype) for n in per_server]
+        parts = self.stage.split_grad(grad * self.grad_scale, inflight.batch, inflight.bag_lengths)
+        tensors = [t.to(self.wire_dtype) for _, t in parts]
         t0 = time.perf_counter()
-        self._sends.append(self.transport.send_floats(self.servers, tensors, GRADS))
+        self._sends.append(self.transport.send_floats([self.servers[s] for s, _ in parts], tensors, GRADS))
         self._stats["comm_s"] += time.perf_counter() - t0
         self._stats["bytes_out"] += sum(t.numel() * t.element_size() for t in tensors)
 

@@ -38,7 +38,7 @@ from embedding_server.cluster import Cluster
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
 from embedding_server.live import LivePusher
 from embedding_server.planner import ShardingPlan
-from embedding_server.shard import EmbeddingShard
+from embedding_server.shard import EmbeddingShard, ShardSet
 from embedding_server.table_checkpoint import CheckpointTables, shard_payload
 from embedding_server.transport import GRADS, POOLED
 from embedding_server.wire import EXCHANGE_DTYPES, Command, ids_dtype, parse_id_message, unpack_ids
@@ -77,16 +77,18 @@ class FlatStage:
         self.trainers = list(range(server.roles.num_trainers))
 
     def respond(self, pooled: torch.Tensor, batches: list[int], train: bool) -> Update | None:
+        """One chunk's pooled vectors [sum_r B_r, width_k] out, its gradients' receive posted."""
         s = self.server
+        width = pooled.shape[1]
         send = pooled.detach().to(s.wire_dtype).contiguous()
-        parts = list(torch.split(send, batches))  # [B_r, width] per trainer
+        parts = list(torch.split(send, batches))  # [B_r, width_k] per trainer
         t0 = time.perf_counter()
         sent = s.transport.send_floats(self.trainers, [p.reshape(-1) for p in parts], POOLED)
         if not train:
             sent.wait()
             s.timings["wait_s"] += time.perf_counter() - t0
             return None
-        grads = s.transport.recv_floats(self.trainers, [b * s.width for b in batches], s.wire_dtype, GRADS)
+        grads = s.transport.recv_floats(self.trainers, [b * width for b in batches], s.wire_dtype, GRADS)
 
         def update() -> None:
             t1 = time.perf_counter()
@@ -95,8 +97,8 @@ class FlatStage:
             s.timings["wait_s"] += time.perf_counter() - t1
             t2 = time.perf_counter()
             total = sum(batches)
-            if s.shard is not None and total > 0:
-                g = torch.cat(received).view(total, s.width).to(pooled.dtype)
+            if total > 0 and pooled.requires_grad and pooled.grad_fn is not None:
+                g = torch.cat(received).view(total, width).to(pooled.dtype)
                 pooled.backward(g)  # fused optimizer step
             s.timings["update_s"] += time.perf_counter() - t2
 
@@ -121,21 +123,25 @@ class EmbeddingServer:
         seed: initialisation seed of the tables.
         checkpoint_root: the job's checkpoints directory.
         stage: builds the stage from this server (default: the flat one).
+        chunks: gradient / pooled messages per trainer and step (``transport.exchange_chunks``).
     """
 
     def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, embedding: EmbeddingConfig,
                  dist: DistConfig, live: LiveConfig, seed: int, checkpoint_root: Path,
-                 stage: Callable[[EmbeddingServer], ServerStage] | None = None) -> None:
+                 stage: Callable[[EmbeddingServer], ServerStage] | None = None, chunks: int = 1) -> None:
         self.cluster = cluster
         self.roles = cluster.roles
         self.index = self.roles.server_index(cluster.rank)
         self.pieces = plan.pieces_on(self.index)
-        # What it looks up per example: (feature, piece) slots; features sharing a table share pieces.
-        self.slots = plan.slots_on(self.index, spec.feature_tables)
+        # What it looks up per example: (feature, piece) slots, chunk by chunk; features sharing a
+        # table share pieces. One shard per chunk: a chunk is updated, then looked up again, alone.
+        self.slots = plan.slots_on(self.index, spec.feature_tables, chunks)
+        sizes = plan.chunks_on(self.index, spec.feature_tables, chunks) if self.slots else []
+        self.chunks = [(sum(sizes[:k]), sum(sizes[: k + 1])) for k in range(len(sizes))]
         self.slot_piece = [self.pieces.index(p) for _, p in self.slots]
         self.local_tables = [p.local_table(spec.tables[p.table_index]) for p in self.pieces]
-        self.shard = EmbeddingShard(self.local_tables, embedding.optimizer, "cpu", seed,
-                                    embedding.init_scale or None, self.slot_piece) if self.slots else None
+        self.shards = [self._chunk_shard(a, b, embedding, seed) for a, b in self.chunks]
+        self.shard = ShardSet(self.shards) if self.shards else None
         self.width = sum(p.dim for _, p in self.slots)
         self.checkpoint_root = Path(checkpoint_root)
         self.wire_dtype = EXCHANGE_DTYPES[dist.exchange_dtype]
@@ -147,7 +153,13 @@ class EmbeddingServer:
         self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))  # as the trainers send
         self.stage: ServerStage = (stage or FlatStage)(self)
         self.semi_sync = dist.pipeline == "semi-sync" and self.stage.deferrable and self.transport.pipelined
-        self._pending: Update | None = None  # semi-sync: the previous step's update
+        self._pending: list[Update | None] = [None] * max(1, len(self.chunks))  # per chunk: the last step's update
+
+    def _chunk_shard(self, a: int, b: int, embedding: EmbeddingConfig, seed: int) -> EmbeddingShard:
+        """The shard of slots [a, b): its pieces, each feature slot reading its piece."""
+        pieces = list(dict.fromkeys(self.slot_piece[a:b]))
+        return EmbeddingShard([self.local_tables[p] for p in pieces], embedding.optimizer, "cpu", seed,
+                              embedding.init_scale or None, [pieces.index(p) for p in self.slot_piece[a:b]])
 
     def restore(self, checkpoint: Path) -> None:
         if self.shard is not None:
@@ -185,51 +197,57 @@ class EmbeddingServer:
                 self.lookup(messages, train=command == Command.LOOKUP_TRAIN)
 
     def lookup(self, messages: list, train: bool) -> None:
-        """Ids from every trainer -> one fused lookup -> the stage answers (and updates)."""
+        """Ids from every trainer -> per chunk: the previous step's update of the chunk (exact),
+        one fused lookup over every trainer's examples, the stage answers; semi-sync updates after."""
         batches = [m[2] for m in messages]
-        slots = len(self.slots)
-        per_trainer = [unpack_ids(m[3], b, slots) for m, b in zip(messages, batches, strict=True)]
-        if not self.semi_sync:
-            self._flush()  # exact: this lookup sees the previous step's update
-        total = sum(batches)
-        t1 = time.perf_counter()
-        if self.shard is not None and total > 0:
-            # One fused lookup over all trainers' examples: slot k's bags are trainer 0's, then 1's...
-            values = torch.cat([ids[k][0] for k in range(slots) for ids in per_trainer])
-            lengths = torch.stack([torch.cat([ids[k][1] for ids in per_trainer]) for k in range(slots)])
-            with torch.set_grad_enabled(train):
-                pooled = self.shard(SparseFeatures.from_lengths(values, lengths))  # [sum B_r, width]
-        else:
-            pooled = torch.zeros(total, self.width, requires_grad=train)
-        self.timings["lookup_s"] += time.perf_counter() - t1
-        update = self.stage.respond(pooled, batches, train)
+        per_trainer = [unpack_ids(m[3], b, len(self.slots)) for m, b in zip(messages, batches, strict=True)]
         if not train:
-            return
-        self._flush()  # semi-sync: the previous step's update runs after this lookup
-        self._pending = self._after(update, per_trainer)
-        if not self.semi_sync:
             self._flush()
+        for k, (a, b) in enumerate(self.chunks or [(0, 0)]):
+            if not self.semi_sync:
+                self._flush(k)  # exact: this chunk's lookup sees the previous step's update
+            pooled = self._lookup_chunk(k, a, b, per_trainer, batches, train)
+            update = self.stage.respond(pooled, batches, train)
+            if self.semi_sync:
+                self._flush(k)  # the previous step's update runs after this lookup
+            if train:
+                self._pending[k] = self._after(update, a, b, per_trainer, last=k == len(self.chunks) - 1)
 
-    def _after(self, update: Update | None, per_trainer: list) -> Update:
+    def _lookup_chunk(self, k: int, a: int, b: int, per_trainer: list, batches: list[int], train: bool) -> torch.Tensor:
+        total = sum(batches)
+        t0 = time.perf_counter()
+        if self.shards and total > 0:
+            # One fused lookup over all trainers' examples: slot j's bags are trainer 0's, then 1's...
+            values = torch.cat([ids[j][0] for j in range(a, b) for ids in per_trainer])
+            lengths = torch.stack([torch.cat([ids[j][1] for ids in per_trainer]) for j in range(a, b)])
+            with torch.set_grad_enabled(train):
+                pooled = self.shards[k](SparseFeatures.from_lengths(values, lengths))  # [sum B_r, width_k]
+        else:
+            width = sum(p.dim for _, p in self.slots[a:b])
+            pooled = torch.zeros(total, width)
+        self.timings["lookup_s"] += time.perf_counter() - t0
+        return pooled
+
+    def _after(self, update: Update | None, a: int, b: int, per_trainer: list, last: bool) -> Update:
         def run() -> None:
             if update is not None:
                 update()
-            self._after_update(per_trainer)
+            if self.live is not None and self.shards:
+                for j in range(a, b):
+                    self.live.mark(self.slot_piece[j], torch.cat([ids[j][0] for ids in per_trainer]).numpy())
+            if last:
+                self.steps += 1
+                if self.live is not None:
+                    self.live.maybe_push()
 
         return run
 
-    def _flush(self) -> None:
-        """Run the update still pending, if any."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending()
-
-    def _after_update(self, per_trainer: list) -> None:
-        self.steps += 1
-        if self.live is not None and self.shard is not None:
-            for k, p in enumerate(self.slot_piece):
-                self.live.mark(p, torch.cat([ids[k][0] for ids in per_trainer]).numpy())
-            self.live.maybe_push()
+    def _flush(self, chunk: int | None = None) -> None:
+        """Run the update still pending of one chunk (None: of every chunk)."""
+        for k in range(len(self._pending)) if chunk is None else [chunk]:
+            pending, self._pending[k] = self._pending[k], None
+            if pending is not None:
+                pending()
 
     def start_live(self, version: str) -> None:
         """Push this server's changed rows to ``version``, which the master just published."""

@@ -211,3 +211,19 @@ def open_transport(cluster: Cluster, id_dtype: torch.dtype) -> P2PTransport | Co
         return CollectiveTransport(cluster.roles, cluster.rank, id_dtype, cluster.exchange)
     remote = cluster.exchange.remote if cluster.exchange is not None else None
     return P2PTransport(cluster.roles, cluster.rank, id_dtype, remote)
+
+
+def exchange_chunks(requested: int, cluster: Cluster, towers: bool) -> int:
+    """Messages per pair and step (``dist.exchange_chunks``): 0 picks 4 when a trainer/server pair
+    crosses hosts (overlapping the two directions of the link pays) and 1 on one host."""
+    if towers:
+        return 1
+    if requested:
+        return requested
+    hosts = cluster.topology.hosts if cluster.topology is not None else None
+    roles = cluster.roles
+    if hosts is None:
+        return 1
+    crossing = any(hosts[t] != hosts[roles.server_rank(s)] for t in range(roles.num_trainers)
+                   for s in range(roles.num_servers))
+    return 4 if crossing else 1

@@ -60,10 +60,13 @@ def test_pipelined_steps_equal_lockstep_bit_for_bit(synth_small, tmp_path):
     table row equals the lockstep run's; ``semi-sync`` lookups run one update stale."""
     over = {"train": {"log_step_losses": True, "max_steps": 50, "batch_size": 256}}
     runs = {}
-    for mode in ("off", "exact", "semi-sync"):
-        cfg = tiny_config(**over, dist={"embedding_servers": 2, "trainers": 2, "pipeline": mode})
-        runs[mode] = launch_local(cfg, *files(synth_small), tmp_path / mode, resume=False)
+    for mode, chunks in (("off", 1), ("exact", 1), ("semi-sync", 1), ("exact", 3)):
+        cfg = tiny_config(**over, dist={"embedding_servers": 2, "trainers": 2, "pipeline": mode,
+                                        "exchange_chunks": chunks})
+        name = mode if chunks == 1 else f"{mode}-{chunks}"
+        runs[name] = launch_local(cfg, *files(synth_small), tmp_path / name, resume=False)
     assert runs["exact"]["step_losses"] == runs["off"]["step_losses"]
+    assert runs["exact-3"]["step_losses"] == runs["off"]["step_losses"]  # chunks: the same maths
     assert runs["exact"]["alltoall_bytes_per_sample"] == runs["off"]["alltoall_bytes_per_sample"]
     a = CheckpointTables(latest_checkpoint(tmp_path / "off" / "checkpoints"))
     b = CheckpointTables(latest_checkpoint(tmp_path / "exact" / "checkpoints"))

@@ -56,22 +56,27 @@ class TowerClientStage:
             return flat_dims
         return [self.layout.out_dim] * self.layout.num_outputs
 
-    def assemble(self, received: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+    def messages(self, b: int) -> list[tuple[int, int]]:
+        """One message from each server running a tower module for this trainer."""
+        return [(s, b * w) for s, w in enumerate(self.recv_widths) if w]
+
+    def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
         """Per tower (= per server, in order) [B, c_t * D'] -> [B, C * D']."""
-        blocks = torch.split(received, [b * w for w in self.recv_widths])
-        out = torch.cat([blk.view(b, w) for blk, w in zip(blocks, self.recv_widths, strict=True) if w], dim=1)
+        widths = [w for w in self.recv_widths if w]
+        out = torch.cat([blk.view(b, w) for blk, w in zip(received, widths, strict=True)], dim=1)
         if self.in_table_order is not None:  # identity towers: the flat model's column order
             n = len(self.in_table_order)
             out = out.view(b, n, self.layout.dim)[:, self.in_table_order].reshape(b, n * self.layout.dim)
         return out
 
-    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> tuple[list, list[int]]:
-        """[B, C * D'] -> per tower, to the server running its module: (flat parts, elements per server)."""
+    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        """[B, C * D'] -> per tower, to the server running its module: (server, flat part)."""
         if self.in_table_order is not None:
             n = len(self.layout.feature_order)
             grad = grad.view(b, n, self.layout.dim)[:, self.layout.feature_order].reshape(b, n * self.layout.dim)
         blocks = torch.split(grad, [w for w in self.recv_widths if w], dim=1)
-        return [blk.reshape(-1) for blk in blocks], [b * w for w in self.recv_widths]
+        servers = [s for s, w in enumerate(self.recv_widths) if w]
+        return [(s, blk.reshape(-1)) for s, blk in zip(servers, blocks, strict=True)]
 
 
 class TowerServerStage:
