@@ -116,7 +116,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
     The master plans (or takes ``plan``, made by the local launcher) and broadcasts the plan."""
     roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
     d = cfg.dist
-    cluster = join(roles, d.timeout_s, rank, d.join_timeout_s, d.hosts, d.topology, d.hierarchical)
+    device = "cuda" if cfg.train.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu"
+    cluster = join(roles, d.timeout_s, rank, d.join_timeout_s, d.hosts, d.topology, d.hierarchical, device)
     # Who is who, for operators (and the fault tests): out/ranks/rank-<r>.json
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank-{rank}.json").write_text(
@@ -144,7 +145,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
 
             stage = TowerClientStage(layout, rank, roles.num_servers) if layout is not None else None
             client = DistributedEmbeddingClient(cluster, plan, spec, grad_scale=1.0 / roles.num_trainers,
-                                                exchange_dtype=cfg.dist.exchange_dtype, stage=stage, chunks=chunks)
+                                                exchange_dtype=cfg.dist.exchange_dtype, stage=stage, chunks=chunks,
+                                                device=device)
             metrics = Trainer(cfg, out, client=client, cluster=cluster).fit(train, test, resume=resume)
             return metrics if cluster.is_master else None
         # An embedding server outlives signals: it stops when the trainers say so (after their

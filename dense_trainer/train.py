@@ -109,7 +109,8 @@ class Trainer:
         self.model.to(self.device)
         self.net = self.model  # what forward runs: the model, or DDP around it
         if self.trainers > 1:
-            self.net = DistributedDataParallel(self.model, process_group=cluster.trainer_group)
+            ids = [self.device.index or 0] if self.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, process_group=cluster.trainer_group, device_ids=ids)
         # 4. dense optimizer
         self.optimizer = build_dense_optimizer(cfg.optim, self.model.parameters())
         self.state = TrainState()
@@ -154,7 +155,7 @@ class Trainer:
             total = nnf.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
             loss = total * (self.trainers / global_batch)
             report = total.detach() / global_batch
-            dist.all_reduce(report, group=self.cluster.trainer_group)
+            dist.all_reduce(report, group=self.cluster.trainer_group)  # on the device: NCCL for CUDA
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss.backward()  # also sends the embedding gradients to the fused sparse optimizer
@@ -182,7 +183,7 @@ class Trainer:
             steps.close()
         if self.trainers > 1:
             parts: list = [None] * self.trainers
-            dist.all_gather_object(parts, (logits, labels), group=self.cluster.trainer_group)
+            dist.all_gather_object(parts, (logits, labels), group=self.cluster.trainer_cpu_group)
             logits = [z for part in parts for z in part[0]]
             labels = [y for part in parts for y in part[1]]
         z, y = np.concatenate(logits), np.concatenate(labels)
@@ -218,7 +219,7 @@ class Trainer:
         if self.trainers == 1:
             return vector
         t = torch.tensor(vector, dtype=torch.float64)
-        dist.all_reduce(t, group=self.cluster.trainer_group)
+        dist.all_reduce(t, group=self.cluster.trainer_cpu_group)
         return t.tolist()
 
     # -- the run -----------------------------------------------------------------------------------
@@ -376,7 +377,7 @@ class Trainer:
         mine = s.positions
         if self.trainers > 1:  # the checkpoint holds every trainer's positions, in rank order
             parts: list = [None] * self.trainers
-            dist.all_gather_object(parts, [p.to_dict() for p in mine], group=self.cluster.trainer_group)
+            dist.all_gather_object(parts, [p.to_dict() for p in mine], group=self.cluster.trainer_cpu_group)
             s.positions = [Position(**p) for part in parts for p in part]
         try:
             self.save_checkpoint()

@@ -138,11 +138,11 @@ class _DistributedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, placeholder, client, inflight):  # noqa: ARG004
         ctx.client, ctx.inflight = client, inflight
-        return client._finish(inflight)
+        return client._to_device(client._finish(inflight))
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.client._send_grads(grad, ctx.inflight)
+        ctx.client._send_grads(grad.detach().cpu(), ctx.inflight)
         return None, None, None
 
 
@@ -155,11 +155,15 @@ class DistributedEmbeddingClient(EmbeddingClient):
         exchange_dtype: fp32, or fp16/bf16 to halve the bytes of pooled embeddings and gradients.
         stage: what the servers send back (default: the flat model's pooled vectors).
         chunks: pooled / gradient messages per server and step (the flat stage's chunks).
+        device: where the trainer's dense network runs (CUDA: pooled vectors arrive in pinned
+            host memory and are copied without blocking).
     """
 
     def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, grad_scale: float = 1.0,
-                 exchange_dtype: str = "fp32", stage: ClientStage | None = None, chunks: int = 1) -> None:
+                 exchange_dtype: str = "fp32", stage: ClientStage | None = None, chunks: int = 1,
+                 device: torch.device | str = "cpu") -> None:
         self.cluster = cluster
+        self.device = torch.device(device)
         self.roles = cluster.roles
         self._plan = plan
         self.spec = spec
@@ -249,6 +253,11 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self._stats["bytes_in"] += sum(p.numel() * p.element_size() for p in parts)
         return self.stage.assemble([p.float() for p in parts], inflight.batch, inflight.bag_lengths)
 
+    def _to_device(self, pooled: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return pooled
+        return pooled.pin_memory().to(self.device, non_blocking=True)
+
     def _send_grads(self, grad: torch.Tensor, inflight: _InFlight) -> None:
         parts = self.stage.split_grad(grad * self.grad_scale, inflight.batch, inflight.bag_lengths)
         tensors = [t.to(self.wire_dtype) for _, t in parts]
@@ -274,7 +283,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
 
     def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
         if not torch.is_grad_enabled():
-            return self._finish(self._start(sparse, Command.LOOKUP_EVAL))
+            return self._to_device(self._finish(self._start(sparse, Command.LOOKUP_EVAL)))
         inflight = None
         if self._next is not None:
             inflight = self._next.result()

@@ -153,6 +153,9 @@ class EmbeddingServer:
         self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))  # as the trainers send
         self.stage: ServerStage = (stage or FlatStage)(self)
         self.semi_sync = dist.pipeline == "semi-sync" and self.stage.deferrable and self.transport.pipelined
+        # Lockstep applies each update as soon as its gradients arrive; pipelined runs keep it
+        # until the next step's ids are in, to interleave it chunk by chunk with their lookup.
+        self.eager = dist.pipeline == "off" or not self.transport.pipelined
         self._pending: list[Update | None] = [None] * max(1, len(self.chunks))  # per chunk: the last step's update
 
     def _chunk_shard(self, a: int, b: int, embedding: EmbeddingConfig, seed: int) -> EmbeddingShard:
@@ -212,6 +215,8 @@ class EmbeddingServer:
                 self._flush(k)  # the previous step's update runs after this lookup
             if train:
                 self._pending[k] = self._after(update, a, b, per_trainer, last=k == len(self.chunks) - 1)
+        if train and self.eager:
+            self._flush()
 
     def _lookup_chunk(self, k: int, a: int, b: int, per_trainer: list, batches: list[int], train: bool) -> torch.Tensor:
         total = sum(batches)
