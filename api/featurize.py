@@ -9,6 +9,8 @@ lines go through the model's own input format.
 
 from __future__ import annotations
 
+import difflib
+
 import numpy as np
 import pyarrow as pa
 
@@ -52,7 +54,9 @@ def _rows(spec: FeatureSpec, instances: list) -> tuple[list[list], list[list]]:
             for key, value in inst.items():
                 kind = index.get(key)
                 if kind is None:
-                    raise InputError(f"instances.{i}.{key}", "unknown feature name")
+                    close = difflib.get_close_matches(key, list(index), n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise InputError(f"instances.{i}.{key}", f"unknown feature name{hint}")
                 if kind[0] == "dense":
                     if value is not None and (not isinstance(value, float | int) or isinstance(value, bool)):
                         raise InputError(f"instances.{i}.{key}", "a dense feature must be a number or null")
