@@ -46,6 +46,7 @@ class UpdateBatch:
         dense_changed: the dense weights were replaced.
         lost: updates since the cursor were dropped (a trimmed update stream): the reader
             cannot know which rows changed and must reload the version.
+        written_at: Unix time the oldest update of the batch was written (None: no update).
     """
 
     cursor: str
@@ -53,6 +54,7 @@ class UpdateBatch:
     rows: dict[str, np.ndarray] = field(default_factory=dict)
     dense_changed: bool = False
     lost: bool = False
+    written_at: float | None = None
 
 
 class VersionWriter(ABC):

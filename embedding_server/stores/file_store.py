@@ -228,4 +228,8 @@ class FileStore(ServingStore):
             raise VersionNotFound(f"{self.url}: version {version!r} was deleted", version) from None
         generation = self._generation(vdir)
         dense_changed = cursor is not None and cursor.partition(":")[2] != stamp
-        return UpdateBatch(cursor=f"{generation}:{stamp}", generation=generation, dense_changed=dense_changed)
+        written_at = None
+        if cursor is not None and cursor.partition(":")[0] != str(generation):
+            written_at = (vdir / "GENERATION").stat().st_mtime  # (the newest write: a lower bound)
+        return UpdateBatch(cursor=f"{generation}:{stamp}", generation=generation, dense_changed=dense_changed,
+                           written_at=written_at)

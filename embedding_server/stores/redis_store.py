@@ -40,7 +40,6 @@ from redis.retry import Retry
 
 from dlrm_core.errors import ConfigError
 from dlrm_core.secrets import redact_url, scrub, url_password
-from embedding_server.stores import redis_scripts
 from embedding_server.stores.base import (
     ServingStore,
     StoreUnavailable,
@@ -49,6 +48,7 @@ from embedding_server.stores.base import (
     VersionWriter,
 )
 from embedding_server.stores.file_store import check_version_name
+from embedding_server.stores.redis_scripts import FORGET, PROMOTE, UPDATE_DENSE, UPDATE_ROWS
 from embedding_server.wire import (
     NUMPY_DTYPE,
     ModelVersion,
@@ -161,8 +161,8 @@ class RedisStore(ServingStore):
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"store URL {self.url}: {scrub(str(exc), self._secrets)}") from None
         self._meta_cache: dict[str, ModelVersion] = {}
-        self._scripts = {name: self.client.register_script(getattr(redis_scripts, name))
-                         for name in ("PROMOTE", "FORGET", "UPDATE_ROWS", "UPDATE_DENSE")}
+        scripts = {"PROMOTE": PROMOTE, "FORGET": FORGET, "UPDATE_ROWS": UPDATE_ROWS, "UPDATE_DENSE": UPDATE_DENSE}
+        self._scripts = {name: self.client.register_script(src) for name, src in scripts.items()}
 
     # -- helpers ------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -380,6 +380,8 @@ def _batch(entries, seen: int, after: str, generation: int) -> UpdateBatch:
         if g != batch.generation + 1:  # a gap, or an entry without a generation
             return UpdateBatch(cursor=f"{generation}:{items[-1][0].decode()}", generation=generation, lost=True)
         batch.generation, batch.cursor = g, f"{g}:{entry_id.decode()}"
+        if batch.written_at is None:  # a stream id starts with the server's time in ms
+            batch.written_at = int(entry_id.split(b"-")[0]) / 1000
         for name, value in fields.items():
             if name == b"dense":
                 batch.dense_changed = True
