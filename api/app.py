@@ -78,5 +78,6 @@ def create_app(
     openapi.install(app, settings.model_name, secured=keys.enabled)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequireKey, keys=keys)
-    app.add_middleware(RequestContext, access_log=settings.access_log)
+    app.state.routes = openapi.route_table(app)
+    app.add_middleware(RequestContext, access_log=settings.access_log, templates=[p for p, _ in app.state.routes])
     return app

@@ -16,7 +16,7 @@ import uuid
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from starlette.routing import compile_path
 
 from api.errors import error_body
 from dlrm_core.logs import REQUEST_ID
@@ -57,18 +57,17 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-def route_template(scope) -> str:
+def route_template(scope, patterns: list[tuple[re.Pattern, str]]) -> str:
     """The matched route's path template (``/v1/models/{name}:predict``): a bounded label.
-    Requests answered before routing (401, 413) are matched here; unknown paths are
-    ``unmatched``, never the raw path."""
+    Requests answered before routing (401, 413) are matched against ``patterns``; unknown paths
+    are ``unmatched``, never the raw path."""
     route = scope.get("route")
     if route is not None:
         return getattr(route, "path", "unmatched")
-    app = scope.get("app")
-    for candidate in getattr(getattr(app, "router", None), "routes", []):
-        match, _ = candidate.matches({**scope, "type": "http"})
-        if match != Match.NONE:
-            return getattr(candidate, "path", "unmatched")
+    path = scope.get("path", "")
+    for regex, template in patterns:
+        if regex.match(path):
+            return template
     return "unmatched"
 
 
@@ -77,11 +76,13 @@ class RequestContext:
 
     Args:
         access_log: log one line per request (method, route, path, status, ms, request id).
+        templates: every route's path template (to label requests answered before routing).
     """
 
-    def __init__(self, app, access_log: bool = False) -> None:
+    def __init__(self, app, access_log: bool = False, templates: list[str] | None = None) -> None:
         self.app = app
         self.access_log = access_log
+        self.patterns = [(compile_path(t)[0], t) for t in dict.fromkeys(templates or [])]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -113,7 +114,7 @@ class RequestContext:
     def _observe(self, scope, status: int, seconds: float) -> None:
         app = scope.get("app")
         service = getattr(app.state, "service", None) if app is not None else None
-        route = route_template(scope)
+        route = route_template(scope, self.patterns)
         if service is not None:
             service.metrics.latency.labels(route=route, method=scope.get("method", ""), status=str(status)).observe(seconds)
         if self.access_log:
