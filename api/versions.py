@@ -46,6 +46,8 @@ class Versions:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._vanished: str | None = None
+        """The current version a request found deleted (the next load's reason)."""
 
     # -- requests -----------------------------------------------------------------------------------
     def get(self, version: str | None = None) -> ServingModel:
@@ -86,7 +88,7 @@ class Versions:
         """A request found ``model``'s version deleted: the error to answer with (503 for the
         current version, loading the new current one right away; 404 for a pinned one)."""
         if model is self.current:
-            self.metrics.reloads.labels(reason="vanished").inc()
+            self._vanished = model.version
             self._wake.set()
             return NotReady(f"version {model.version} left the store; loading the current one")
         self.pinned.pop(model.version, None)
@@ -101,7 +103,8 @@ class Versions:
             if version is not None:
                 model = self.current
                 if model is None or model.version != version:
-                    self._install(version, "new")
+                    vanished = model is not None and self._vanished == model.version
+                    self._install(version, "vanished" if vanished else "new")
                 elif self._follow(model) == "reload":
                     self._install(version, "lost")
             for name, model in list(self.pinned.items()):
