@@ -88,26 +88,33 @@ def line_pattern(spec: FeatureSpec) -> str | None:
 
 
 def tensor_schema(feat: DenseFeature | CategoricalFeature) -> dict[str, Any]:
-    """The JSON schema of one feature's input tensor in an infer request."""
+    """The JSON schema of one feature's input tensor in an infer request: one variant per
+    accepted datatype, its elements typed accordingly (null: missing)."""
+    null = {"type": "null"}
     if isinstance(feat, DenseFeature):
-        types, item = ["FP32", "FP64", "INT64", "INT32"], {"anyOf": [{"type": "number"}, {"type": "null"}]}
+        number = {"type": "integer"} if feat.integer else {"type": "number"}
+        variants = {"FP32": number, "FP64": number, "INT64": {**INT64, "maximum": 2**63 - 1}}
         what = f"Dense feature ({feat.transform})"
     else:
-        types, item = ["BYTES", "INT64"], {"anyOf": [{"type": "string", "maxLength": 64}, {**INT64, "minimum": 0},
-                                                     {"type": "null"}]}
+        text = next(a for a in _value(feat)["anyOf"] if a["type"] == "string")
+        if feat.separator is not None:
+            text = {"type": "string", "maxLength": 1024}
+        variants = {"BYTES": text, "INT64": {**INT64, "minimum": 0, "maximum": 2**63 - 1}}
         what = f"Categorical ({feat.encoding}, table {feat.table!r}" + (
             f"; multi-hot: values joined by {feat.separator!r})" if feat.separator else ")")
     return {
-        "type": "object", "title": f"Input {feat.name}", "additionalProperties": False,
-        "description": f"{what}: one value per example, null or absent: missing.",
-        "required": ["name", "shape", "datatype", "data"],
-        "properties": {
-            "name": {"type": "string", "enum": [feat.name]},
-            "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1, "maxItems": 2},
-            "datatype": {"type": "string", "enum": types},
-            "parameters": {"type": "object"},
-            "data": {"type": "array", "items": item},
-        },
+        "title": f"Input {feat.name}",
+        "description": f"{what}: one value per example ([N] or [N, 1]); null or absent: missing.",
+        "anyOf": [{
+            "type": "object", "additionalProperties": False, "required": ["name", "shape", "datatype", "data"],
+            "properties": {
+                "name": {"type": "string", "enum": [feat.name]},
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31},
+                          "minItems": 1, "maxItems": 2},
+                "datatype": {"type": "string", "enum": [datatype]},
+                "data": {"type": "array", "items": {"anyOf": [item, null]}},
+            },
+        } for datatype, item in variants.items()],
     }
 
 
@@ -118,7 +125,7 @@ def _v2_schemas(schemas: dict[str, Any], spec: FeatureSpec | None) -> None:
     schemas.update(doc.pop("$defs", {}))
     schemas["InferRequest"] = doc
     if spec is not None:
-        doc["properties"]["inputs"]["items"] = {"oneOf": [tensor_schema(f) for f in [*spec.dense, *spec.categorical]]}
+        doc["properties"]["inputs"]["items"] = {"anyOf": [tensor_schema(f) for f in [*spec.dense, *spec.categorical]]}
 
 
 def _secure(doc: dict[str, Any]) -> None:
