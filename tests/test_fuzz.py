@@ -38,7 +38,6 @@ VERSIONS = ["fuzz-old", "fuzz"]
 # The document the app serves once the model below is loaded (tiny.toml's Criteo spec; the test
 # checks the live document is this one): model name, versions and features as enums and patterns.
 DOC = model_openapi(APP, tiny_config().feature_spec(), "dlrm", VERSIONS)
-schema = schemathesis.openapi.from_asgi("/openapi.json", APP)  # (replaced below: the served document)
 schema = schemathesis.openapi.from_dict(DOC)
 schema.app = APP
 # Valid and invalid data alike (wrong types, missing fields, out-of-range values): any 5xx fails.
