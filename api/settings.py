@@ -42,9 +42,10 @@ class Settings(BaseSettings):
     """File of bearer keys, one per line (# comments), re-read when it changes."""
     threads: int = Field(default=1, ge=1)
     """Intra-op threads of the dense model per process (1 serves small batches fastest)."""
-    access_log: bool = False
-    """One log line per request (method, path, route, status, ms, request id). Off by default:
-    it costs about 8% of a small request's server CPU (bench/results/access_log.md)."""
+    access_log: bool = True
+    """One log line per request (method, path, route, status, ms, request id). On by default: it
+    costs about 20 µs of CPU per request as text, 30 µs as JSON, 2-3% of the 1 ms per-request
+    budget (bench/results/access_log.md); turn it off where every microsecond counts."""
     log_format: Literal["text", "json"] = "text"
     """Log lines as text or as one JSON object per line."""
 
