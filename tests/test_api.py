@@ -155,7 +155,7 @@ def test_health_readiness_metrics_docs(tmp_path, trained_criteo):
         text = client.get("/metrics").text
         # Samples, not HELP lines: values that only this traffic explains (tests/test_serving_metrics.py has more).
         for sample in ['dlrm_batch_instances_sum{input="instances"} 3.0', 'dlrm_model_version_info{version="first"} 1.0',
-                       'dlrm_request_latency_seconds_count{route="/v1/models/{name}:predict",method="POST",status="503"} 1.0']:
+                       'dlrm_request_latency_seconds_count{method="POST",route="/v1/models/{name}:predict",status="503"} 1.0']:
             assert sample in text, sample
         assert client.get("/docs").status_code == 200
         assert "/v1/models/{name}:predict" in client.get("/openapi.json").json()["paths"]
