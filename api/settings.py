@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     """Intra-op threads of the dense model per process (1 serves small batches fastest)."""
     access_log: bool = True
     """One log line per request (method, path, route, status, ms, request id). On by default: it
-    costs about 20 µs of CPU per request as text, 30 µs as JSON, 2-3% of the 1 ms per-request
+    costs about 20 µs of CPU per request as text, 33 µs as JSON, 2-3% of the 1 ms per-request
     budget (bench/results/access_log.md); turn it off where every microsecond counts."""
     log_format: Literal["text", "json"] = "text"
     """Log lines as text or as one JSON object per line."""

@@ -12,6 +12,7 @@ import time
 import uuid
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
@@ -58,6 +59,13 @@ def test_metric_values_follow_the_traffic(redis_server, trained_criteo, criteo_s
         assert client.get("/v1/models/nope").status_code == 404
         assert client.get("/no/such/path").status_code == 404
         after = client.get("/metrics").text
+        # A live update: the generation and the lag gauges move once the replica applies it.
+        open_store(url).update_rows("v1", {"C1": (np.array([1, 2, 3]), np.zeros((3, 8), np.float32))})
+        deadline = time.time() + 5
+        while value(live := client.get("/metrics").text, "dlrm_model_generation") != 1 and time.time() < deadline:
+            time.sleep(0.05)
+    assert value(live, "dlrm_model_generation") == 1 and value(live, "dlrm_live_row_updates_total") == 3
+    assert 0 <= value(live, "dlrm_live_update_lag_seconds") < 5
     latency = "dlrm_request_latency_seconds_count"
     assert value(before, latency, route=PREDICT, method="POST", status="200") == 0
     assert value(after, latency, route=PREDICT, method="POST", status="200") == 3
