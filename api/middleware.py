@@ -102,7 +102,7 @@ class RequestContext:
         try:
             await self.app(scope, receive, with_id)
         except Exception:
-            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            log.exception("unhandled error in %s %s", scope.get("method"), _printable(scope.get("path", "")))
             if status == 0:  # nothing sent yet: answer properly
                 status = 500
                 body = error_body(scope["path"], "internal server error", request_id=rid)
@@ -118,9 +118,16 @@ class RequestContext:
         if service is not None:
             service.metrics.latency.labels(route=route, method=scope.get("method", ""), status=str(status)).observe(seconds)
         if self.access_log:
-            access.info("%s %s %d %.2fms", scope.get("method"), scope.get("path"), status, seconds * 1e3,
-                        extra={"fields": {"method": scope.get("method"), "route": route, "path": scope.get("path"),
+            path = _printable(scope.get("path", ""))
+            access.info("%s %s %d %.2fms", scope.get("method"), path, status, seconds * 1e3,
+                        extra={"fields": {"method": scope.get("method"), "route": route, "path": path,
                                           "status": status, "ms": round(seconds * 1e3, 3)}})
+
+
+def _printable(path: str) -> str:
+    """A (percent-decoded) path as one safe line: control and non-ASCII characters escaped, so
+    that ``/x%0Aforged`` cannot forge a log line."""
+    return path.encode("unicode_escape").decode("ascii")[:512]
 
 
 def _request_id(headers: list[tuple[bytes, bytes]]) -> str:

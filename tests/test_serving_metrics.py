@@ -155,8 +155,9 @@ def test_request_ids_json_logs_and_the_json_500(tmp_path, trained_criteo):
         with TestClient(create_app(Settings(store=url, access_log=True))) as client:
             r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"X-Request-ID": "abc-123"})
             assert r.status_code == 200 and r.headers["X-Request-ID"] == "abc-123"
-            r = client.get("/healthz", headers={"X-Request-ID": "bad id\nforged: line"})
-            assert r.headers["X-Request-ID"] != "bad id\nforged: line" and len(r.headers["X-Request-ID"]) == 32
+            r = client.get("/healthz", headers={"X-Request-ID": "bad id forged: line"})
+            assert r.headers["X-Request-ID"] != "bad id forged: line" and len(r.headers["X-Request-ID"]) == 32
+            assert client.get("/x%0A12:00:00 INFO forged").status_code == 404  # logged on one line
 
             def boom(*_):
                 raise RuntimeError("a bug")
@@ -177,3 +178,4 @@ def test_request_ids_json_logs_and_the_json_500(tmp_path, trained_criteo):
     crash = [r for r in records if r["level"] == "ERROR"]
     assert crash[0]["request_id"] == "req-500" and "RuntimeError: a bug" in crash[0]["exc"]
     assert any(r.get("request_id") == "req-500" and r["status"] == 500 for r in access)
+    assert any(r["path"] == "/x\\n12:00:00 INFO forged" for r in access)

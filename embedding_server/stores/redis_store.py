@@ -66,6 +66,8 @@ PART_BITS = 20
 PIPELINE_BYTES = 4 << 20
 """Flush a write pipeline after this many bytes of rows (bounds publisher memory)."""
 LEASE_S = 600
+BULK_TIMEOUT_S = 30.0
+"""Socket timeout of bulk writes (a 4 MB pipeline to a busy server); reads keep the store's own."""
 UPDATES_MAXLEN = 20_000
 """Live-update stream entries kept; a reader further behind reloads its version."""
 
@@ -87,7 +89,7 @@ class RedisVersionWriter(VersionWriter):
     def __init__(self, store: RedisStore, meta: ModelVersion) -> None:
         self.store = store
         self.meta = meta
-        self._pipe = store.client.pipeline(transaction=False)
+        self._pipe = store.bulk.pipeline(transaction=False)
         self._bytes = 0
         v = meta.version
         with store.errors():  # the lease first: a concurrent collector must not take it for dead
@@ -154,15 +156,18 @@ class RedisStore(ServingStore):
         try:
             # No client-side retries: a failed call fails fast (the API answers 503 at once and
             # the next call reconnects), instead of stalling requests for seconds of backoff.
-            self.client = redis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            # Bulk writes (publishing, live updates, deleting a version) move megabytes per round
+            # trip: their own connections wait up to BULK_TIMEOUT_S.
+            self.client, self.bulk = (redis.Redis.from_url(
+                url, socket_timeout=t, socket_connect_timeout=timeout_s,
                 health_check_interval=30, decode_responses=False, retry=Retry(NoBackoff(), 0), **extra,
-            )
+            ) for t in (timeout_s, max(timeout_s, BULK_TIMEOUT_S)))
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"store URL {self.url}: {scrub(str(exc), self._secrets)}") from None
         self._meta_cache: dict[str, ModelVersion] = {}
-        scripts = {"PROMOTE": PROMOTE, "FORGET": FORGET, "UPDATE_ROWS": UPDATE_ROWS, "UPDATE_DENSE": UPDATE_DENSE}
-        self._scripts = {name: self.client.register_script(src) for name, src in scripts.items()}
+        self._scripts = {name: client.register_script(src) for name, src, client in (
+            ("PROMOTE", PROMOTE, self.client), ("FORGET", FORGET, self.client),
+            ("UPDATE_ROWS", UPDATE_ROWS, self.bulk), ("UPDATE_DENSE", UPDATE_DENSE, self.bulk))}
 
     # -- helpers ------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -241,13 +246,13 @@ class RedisStore(ServingStore):
         self._meta_cache.pop(version, None)
         with self.errors():  # gone for everyone already; now the bulk of its keys
             batch = []
-            for key in self.client.scan_iter(match=self.key("v", version, "*"), count=1000):
+            for key in self.bulk.scan_iter(match=self.key("v", version, "*"), count=1000):
                 batch.append(key)
                 if len(batch) >= 500:
-                    self.client.unlink(*batch)
+                    self.bulk.unlink(*batch)
                     batch = []
             if batch:
-                self.client.unlink(*batch)
+                self.bulk.unlink(*batch)
 
     def collect_garbage(self, current: str | None = None, keep: int | None = None) -> list[str]:
         removed = super().collect_garbage(current, keep)
@@ -368,6 +373,7 @@ class RedisStore(ServingStore):
 
     def close(self) -> None:
         self.client.close()
+        self.bulk.close()
 
 
 def _batch(entries, seen: int, after: str, generation: int) -> UpdateBatch:
