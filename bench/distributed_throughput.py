@@ -6,11 +6,15 @@ bottom 13-512-256-64, top 512-256-1, row-wise Adagrad + Adam), the same pre-buil
 every system, all processes on this machine (2 cores: more ranks share the same cores, so this
 measures overheads, not scale-out).
 
-    single        one process, tables in-process (dense_trainer.Trainer.train_step)
-    E1,T1         1 embedding server + 1 trainer (Gloo all-to-all over loopback)
-    E2,T2         2 servers + 2 trainers (DDP between trainers), fp32 on the wire
-    E2,T2 bf16    the same with pooled embeddings and gradients sent as bf16
-    torchrec ws2  TorchRec DMP, world size 2, table-wise fused row-wise Adagrad, 1024 per rank
+    single              one process, tables in-process (dense_trainer.Trainer.train_step)
+    E1,T1 lockstep      1 embedding server + 1 trainer, point to point over loopback (Gloo),
+                        --pipeline off: the trainer waits for lookups, the server for gradients
+    E1,T1 pipelined     --pipeline exact: the next batch's ids travel and are looked up while the
+                        trainer computes (results identical to lockstep)
+    E1,T1 semi-sync     --pipeline semi-sync: lookups do not wait for the previous update
+    E2,T2 ...           2 servers + 2 trainers (DDP between trainers), the same three modes
+    E2,T2 bf16          pipelined, pooled embeddings and gradients sent as bf16
+    torchrec ws2        TorchRec DMP, world size 2, table-wise fused row-wise Adagrad, 1024 per rank
 
 Reports median samples/s, ratios, the all-to-all bytes per sample per direction against the
 analytical minimum, and the communication share of the step. Writes
@@ -41,7 +45,7 @@ import train_throughput as tt  # noqa: E402
 GLOBAL_BATCH = tt.BATCH
 
 
-def bench_config(servers: int, trainers: int, exchange: str = "fp32"):
+def bench_config(servers: int, trainers: int, exchange: str = "fp32", pipeline: str = "exact"):
     from dense_trainer.config import load_config
 
     return load_config(None, [{
@@ -49,7 +53,7 @@ def bench_config(servers: int, trainers: int, exchange: str = "fp32"):
         "model": {"dense_arch_layer_sizes": tt.BOTTOM, "over_arch_layer_sizes": tt.TOP},
         "optim": {"kind": "adam", "lr": tt.DENSE_LR},
         "train": {"batch_size": GLOBAL_BATCH, "progress": False},
-        "dist": {"embedding_servers": servers, "trainers": trainers, "exchange_dtype": exchange},
+        "dist": {"embedding_servers": servers, "trainers": trainers, "exchange_dtype": exchange, "pipeline": pipeline},
     }])
 
 
@@ -63,12 +67,15 @@ def batches(n: int):
             for d, i, y in tt.make_batches(ROWS, "uniform", n)]
 
 
-def ours_rank(rank: int, servers: int, trainers: int, exchange: str, port: int, steps: int, warmup: int, out: str):
+def ours_rank(rank: int, servers: int, trainers: int, exchange: str, pipeline: str, port: int, steps: int,
+              warmup: int, out: str):
     from dense_trainer.train import Trainer
     from embedding_server.cluster import Roles, join
     from embedding_server.dist_client import DistributedEmbeddingClient
     from embedding_server.planner import plan_sharding
     from embedding_server.server import EmbeddingServer
+    from embedding_server.transport import open_transport
+    from embedding_server.wire import ids_dtype
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(servers + trainers))
     roles = Roles(trainers, servers)
@@ -76,26 +83,29 @@ def ours_rank(rank: int, servers: int, trainers: int, exchange: str, port: int, 
     from dense_trainer.distributed import rank_threads
 
     torch.set_num_threads(rank_threads(roles, rank))
-    cfg = bench_config(servers, trainers, exchange)
+    cfg = bench_config(servers, trainers, exchange, pipeline)
     spec = cfg.feature_spec()
     plan = plan_sharding(spec, servers, "rowwise_adagrad", "auto")
+    cluster.transport = open_transport(cluster, ids_dtype(ROWS))
     if cluster.is_trainer:
         client = DistributedEmbeddingClient(cluster, plan, spec, 1.0 / trainers, exchange)
         trainer = Trainer(cfg, Path(tempfile.mkdtemp()), client=client, cluster=cluster)
-        data = batches(8)
+        data = [b.share(rank, trainers) for b in batches(8)]
         times = []
-        for i in range(warmup + steps):
-            b = data[i % len(data)]
+        total = warmup + steps
+        all_times = []  # the traffic counters cover every step (a prefetch straddles the warm-up's end)
+        for i in range(total):
+            b, nxt = data[i % len(data)], data[(i + 1) % len(data)]
+            ahead = nxt.sparse if pipeline != "off" and i + 1 < total else None
             t0 = time.perf_counter()
-            trainer.train_step(b.share(rank, trainers), GLOBAL_BATCH)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            if i == warmup - 1:
-                client.stats.update(comm_s=0.0, bytes_out=0, bytes_in=0, lookups=0)
+            trainer.train_step(b, GLOBAL_BATCH, ahead)
+            all_times.append(time.perf_counter() - t0)
+        times = all_times[warmup:]
         client.close()
         dist.gather_object({"rank": rank}, [None] * roles.world_size if rank == 0 else None, dst=0)
         if rank == 0:
-            Path(out).write_text(json.dumps({"step_s": times, "client": client.stats, "rss_mb": tt.peak_rss_mb()}))
+            Path(out).write_text(json.dumps({"step_s": times, "all_step_s": all_times, "client": client.stats,
+                                             "rss_mb": tt.peak_rss_mb()}))
     else:
         server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp()))
         server.serve()
@@ -103,20 +113,20 @@ def ours_rank(rank: int, servers: int, trainers: int, exchange: str, port: int, 
     dist.destroy_process_group()
 
 
-def run_ours(servers: int, trainers: int, exchange: str, args) -> dict:
+def run_ours(servers: int, trainers: int, exchange: str, args, pipeline: str = "exact") -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
     from dense_trainer.distributed import free_port
 
     port = free_port()
-    mp.start_processes(ours_rank, args=(servers, trainers, exchange, port, args.steps, args.warmup, str(out)),
+    mp.start_processes(ours_rank, args=(servers, trainers, exchange, pipeline, port, args.steps, args.warmup, str(out)),
                        nprocs=servers + trainers, start_method="spawn", join=True)
     r = json.loads(out.read_text())
     step = statistics.median(r["step_s"])
     c = r["client"]
-    samples = GLOBAL_BATCH / trainers * args.steps  # the master's share
+    samples = GLOBAL_BATCH / trainers * (args.steps + args.warmup)  # the master's share, every step
     return {"samples_per_s": GLOBAL_BATCH / step, "median_step_ms": step * 1e3,
             "bytes_per_sample_out": c["bytes_out"] / samples, "bytes_per_sample_in": c["bytes_in"] / samples,
-            "comm_share": c["comm_s"] / sum(r["step_s"]), "master_rss_mb": r["rss_mb"]}
+            "comm_share": c["comm_s"] / sum(r["all_step_s"]), "master_rss_mb": r["rss_mb"]}
 
 
 def run_single(args) -> dict:
@@ -205,13 +215,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
-    systems = {
-        "single": lambda: run_single(args),
-        "E1,T1": lambda: run_ours(1, 1, "fp32", args),
-        "E2,T2": lambda: run_ours(2, 2, "fp32", args),
-        "E2,T2 bf16": lambda: run_ours(2, 2, "bf16", args),
-        "torchrec ws2": lambda: run_torchrec(args),
-    }
+    systems = {"single": lambda: run_single(args)}
+    for e, t in ((1, 1), (2, 2)):
+        for label, mode in (("lockstep", "off"), ("pipelined", "exact"), ("semi-sync", "semi-sync")):
+            systems[f"E{e},T{t} {label}"] = lambda e=e, t=t, mode=mode: run_ours(e, t, "fp32", args, mode)
+    systems["E2,T2 pipelined bf16"] = lambda: run_ours(2, 2, "bf16", args, "exact")
+    systems["torchrec ws2"] = lambda: run_torchrec(args)
     runs: dict[str, list[dict]] = {k: [] for k in systems}
     for r in range(args.rounds):
         for name, fn in systems.items():
@@ -228,8 +237,9 @@ def main() -> None:
         row["time_per_sample_vs_single"] = single / row["samples_per_s"]
     if "torchrec ws2" in table:
         tr = table["torchrec ws2"]["samples_per_s"]
-        for name in ("E2,T2", "E2,T2 bf16"):
-            table[name]["throughput_vs_torchrec_ws2"] = table[name]["samples_per_s"] / tr
+        for name in table:
+            if name.startswith("E2,T2"):
+                table[name]["throughput_vs_torchrec_ws2"] = table[name]["samples_per_s"] / tr
     minimum = {"ids_out": 4 * tt.T, "pooled_in": 4 * tt.T * tt.DIM, "grads_out": 4 * tt.T * tt.DIM}
     result = {"workload": {"tables": tt.T, "rows": ROWS, "dim": tt.DIM, "global_batch": GLOBAL_BATCH},
               "results": table, "analytical_minimum_bytes_per_sample": minimum, "rounds": args.rounds,

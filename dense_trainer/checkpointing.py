@@ -41,6 +41,8 @@ class TrainState:
     step: int = 0
     samples_seen: int = 0
     position: Position = field(default_factory=Position)
+    positions: list[Position] = field(default_factory=list)
+    """Every data share's resume position (one per trainer; in a checkpoint, all trainers')."""
     train_seconds: float = 0.0
     data_wait_seconds: float = 0.0
     history: list[dict] = field(default_factory=list)
@@ -51,6 +53,7 @@ class TrainState:
     def to_dict(self) -> dict[str, Any]:
         return {
             "step": self.step, "samples_seen": self.samples_seen, "position": self.position.to_dict(),
+            "positions": [p.to_dict() for p in self.positions],
             "train_seconds": self.train_seconds, "data_wait_seconds": self.data_wait_seconds,
             "history": self.history, "bad_lines": self.bad_lines, "parse_rows": self.parse_rows,
             "parse_seconds": self.parse_seconds,
@@ -60,6 +63,7 @@ class TrainState:
     def from_dict(cls, t: dict[str, Any]) -> TrainState:
         return cls(
             step=t["step"], samples_seen=t["samples_seen"], position=Position(**t["position"]),
+            positions=[Position(**p) for p in t.get("positions", [])],
             train_seconds=t["train_seconds"], data_wait_seconds=t["data_wait_seconds"],
             history=list(t["history"]), bad_lines=dict(t["bad_lines"]), parse_rows=t["parse_rows"],
             parse_seconds=t["parse_seconds"],

@@ -33,6 +33,9 @@ class DataConfig(Section):
     """Batches assembled ahead of the training step."""
     strict: bool = flag(False, "--strict")
     """Stop at the first malformed line (naming file and line) instead of skipping it."""
+    interleave: int = Field(default=0, ge=0)
+    """A single process reads the input as this many trainers would (each its blocks modulo the
+    count) and trains on the same global batches: to compare with a run of that many trainers."""
     multi_hot_sep: str | None = None
     """The Criteo layout's multi-hot separator of C1..C26 cells (a schema sets its own per
     feature); None: one value per cell."""

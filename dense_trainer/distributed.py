@@ -43,6 +43,8 @@ from embedding_server.server import EmbeddingServer
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.plan import TowerPlan
 from embedding_server.towers.stage import TowerClientStage, TowerServerStage
+from embedding_server.transport import exchange_chunks, open_transport
+from embedding_server.wire import ids_dtype
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +116,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
     The master plans (or takes ``plan``, made by the local launcher) and broadcasts the plan."""
     roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
     d = cfg.dist
-    cluster = join(roles, d.timeout_s, rank, d.join_timeout_s, d.hosts, d.topology, d.hierarchical)
+    device = "cuda" if cfg.train.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu"
+    cluster = join(roles, d.timeout_s, rank, d.join_timeout_s, d.hosts, d.topology, d.hierarchical, device)
     # Who is who, for operators (and the fault tests): out/ranks/rank-<r>.json
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank-{rank}.json").write_text(
@@ -127,8 +130,10 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         holder = [(plan or make_plan(cfg, train)).model_dump_json() if rank == 0 else None]
         dist.broadcast_object_list(holder, src=0)
         plan = ShardingPlan.model_validate_json(holder[0])
+        cluster.transport = open_transport(cluster, ids_dtype(max((p.rows for p in plan.pieces), default=0)))
         spec = cfg.feature_spec()
         layout = tower_layout(cfg, cluster.topology)
+        chunks = exchange_chunks(d.exchange_chunks, cluster, layout is not None)
         # Every rank makes every tower's group (a collective), in tower order.
         groups = None
         if layout is not None:
@@ -140,7 +145,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
 
             stage = TowerClientStage(layout, rank, roles.num_servers) if layout is not None else None
             client = DistributedEmbeddingClient(cluster, plan, spec, grad_scale=1.0 / roles.num_trainers,
-                                                exchange_dtype=cfg.dist.exchange_dtype, stage=stage)
+                                                exchange_dtype=cfg.dist.exchange_dtype, stage=stage, chunks=chunks,
+                                                device=device)
             metrics = Trainer(cfg, out, client=client, cluster=cluster).fit(train, test, resume=resume)
             return metrics if cluster.is_master else None
         # An embedding server outlives signals: it stops when the trainers say so (after their
@@ -152,7 +158,7 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
             def stage(server):
                 return TowerServerStage(server, layout, plan, groups, cfg.optim, cfg.train.seed)
         server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, cfg.train.seed,
-                                 out / "checkpoints", stage)
+                                 out / "checkpoints", stage, chunks)
         if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
             server.restore(ckpt)
         dist.barrier(group=cluster.slow_group)  # every rank restored (however long that took)

@@ -159,7 +159,7 @@ class DLRMDense(nn.Module):
                  append_embeddings: bool = False) -> None:
         super().__init__()
         self.table_dims = list(table_dims)
-        d = embedding_dim
+        d = self.dim = embedding_dim
         self.dense_arch = DenseArch(num_dense, [*cfg.dense_arch_layer_sizes, d]) if num_dense else None
         self.dense_vector = None if num_dense else nn.Parameter(torch.full((d,), d**-0.5))  # [D]
         dense_out = d if num_dense or table_dims else 0
@@ -194,7 +194,7 @@ class DLRMDense(nn.Module):
             z = self.inter_arch(x, embedded)  # [B, D + sum(D_f)]
         else:
             if self.project is None:
-                sparse = embedded.view(embedded.shape[0], len(self.table_dims), -1)  # [B, F, D]
+                sparse = embedded.view(embedded.shape[0], len(self.table_dims), self.dim)  # [B, F, D]
             else:
                 parts = torch.split(embedded, self.table_dims, dim=1)
                 sparse = torch.stack([p(e) for p, e in zip(self.project, parts, strict=True)], 1)
@@ -235,7 +235,7 @@ class TowerDLRM(nn.Module):
         self.dim = dim
 
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        z = embedded.view(embedded.shape[0], -1, self.dim)  # [B, F, D]
+        z = embedded.view(embedded.shape[0], sum(map(len, self.features_of)), self.dim)  # [B, F, D]
         outs = [tower(z[:, tables]) for tower, tables in zip(self.towers, self.features_of, strict=True)]  # [B, c_t, D']
         return self.net(dense, torch.cat(outs, dim=1).flatten(1))  # [B, C * D'] -> [B]
 

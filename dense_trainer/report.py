@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 import math
 import resource
+import sys
 from pathlib import Path
 from typing import Any
+
+import torch
+from tqdm import tqdm
 
 from dense_trainer.checkpointing import TrainState
 from dense_trainer.plots import plot_curves
@@ -57,6 +61,8 @@ def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
     }
     if cfg_losses := trainer.step_losses:
         metrics["step_losses"] = cfg_losses
+    trainers = [r for r in (cluster_stats or {}).get("ranks", []) if "rows_parsed" in r]
+    metrics["rows_parsed_by_trainer"] = [r["rows_parsed"] for r in trainers] if trainers else [s.parse_rows]
     if cluster_stats is not None:
         metrics.update(cluster_metrics(cluster_stats, sum(trainer.client.output_dims()), len(trainer.spec.tables), s))
     if not trainer.is_master:
@@ -137,3 +143,35 @@ def format_metrics(m: dict) -> str:
     lines = ["| metric" + " " * (width - 6) + " | value |", "|" + "-" * (width + 2) + "|-------|"]
     lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
     return "\n".join(lines)
+
+
+class RunningLoss:
+    """The progress bar and the running training loss in the history (every 20 steps)."""
+
+    def __init__(self, trainer, initial: int) -> None:
+        self.trainer = trainer
+        self.loss_sum = torch.zeros((), device=trainer.device)
+        self.steps = self.samples = 0
+        self.bar = tqdm(
+            desc="train", unit="samples", unit_scale=True,
+            disable=not (trainer.cfg.train.progress and trainer.is_master), dynamic_ncols=True,
+            mininterval=0.5, file=sys.stderr, initial=initial,
+        )
+
+    def add(self, loss: torch.Tensor, b: int, epoch: int) -> None:
+        t = self.trainer
+        if t.cfg.train.log_step_losses:
+            t.step_losses.append(float(loss))
+        self.loss_sum += loss * b
+        self.steps += 1
+        self.samples += b
+        if self.steps % 20 == 0 or self.steps == 1:
+            running = float(self.loss_sum) / self.samples
+            self.bar.set_postfix(loss=f"{running:.4f}", epoch=epoch, refresh=False)
+            t.state.history.append({"samples": t.state.samples_seen, "train_loss": running})
+            self.loss_sum.zero_()
+            self.samples = 0
+        self.bar.update(b)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -52,12 +52,12 @@ def interaction_strength(cfg: Config, files: list[Path], warmup_rows: int, probe
     with tempfile.TemporaryDirectory(prefix="dlrm-plan-towers-") as tmp:
         trainer = Trainer(cfg, Path(tmp))
         steps = 0
-        for batch in trainer._loader(files, cfg.train.batch_size, epochs=1, max_rows=warmup_rows):
+        for batch in trainer.loader(files, cfg.train.batch_size, max_rows=warmup_rows):
             trainer.train_step(batch)
             steps += 1
         if steps == 0:
             raise DataError(f"plan-towers: no valid rows in {', '.join(map(str, files))}")
-        probe = next(iter(trainer._loader(files, probe_rows, epochs=1, max_rows=probe_rows)))
+        probe = next(iter(trainer.loader(files, probe_rows, max_rows=probe_rows)))
         strength = pair_reliance(trainer.model, trainer.client.lookup, probe)
     log.info("plan-towers: warm-up of %d steps on %d rows", steps, min(warmup_rows, steps * cfg.train.batch_size))
     return strength

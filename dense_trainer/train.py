@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,15 +27,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as nnf
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from dense_trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from dense_trainer.config import Config, prepare_config
 from dense_trainer.data.loader import BatchLoader
+from dense_trainer.data.steps import Step, Steps, resume_positions
 from dense_trainer.metrics import log_loss_from_logits, roc_auc
 from dense_trainer.model import build_dense_model
-from dense_trainer.report import write_metrics
-from dlrm_core.batch import Batch
+from dense_trainer.report import RunningLoss, write_metrics
+from dlrm_core.batch import Batch, Position, SparseFeatures
 from dlrm_core.errors import ConfigError, DataError
 from dlrm_core.formats import InputReader, check_files
 from dlrm_core.schema import FeatureSpec
@@ -110,7 +109,8 @@ class Trainer:
         self.model.to(self.device)
         self.net = self.model  # what forward runs: the model, or DDP around it
         if self.trainers > 1:
-            self.net = DistributedDataParallel(self.model, process_group=cluster.trainer_group)
+            ids = [self.device.index or 0] if self.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, process_group=cluster.trainer_group, device_ids=ids)
         # 4. dense optimizer
         self.optimizer = build_dense_optimizer(cfg.optim, self.model.parameters())
         self.state = TrainState()
@@ -122,10 +122,13 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits float [B] of a batch."""
+    def forward(self, batch: Batch, prefetch: SparseFeatures | None = None) -> torch.Tensor:
+        """Logits float [B] of a batch; ``prefetch``: the next batch's ids, sent to the embedding
+        servers while this batch's dense part runs (pipelining)."""
         t0 = time.perf_counter()
-        embedded = self.client.lookup(batch.sparse)  # [B, sum(D_t)]
+        embedded = self.client.lookup(batch.sparse)  # [B, sum(D_f)]
+        if prefetch is not None:
+            self.client.prefetch(prefetch)
         t1 = time.perf_counter()
         dense = batch.dense.to(self.device, non_blocking=True)  # [B, I]
         logits = self.net(dense, embedded.to(self.device, non_blocking=True))
@@ -133,7 +136,8 @@ class Trainer:
         self.timings["dense_forward_s"] += time.perf_counter() - t1
         return logits
 
-    def train_step(self, batch: Batch, global_batch: int | None = None) -> torch.Tensor:
+    def train_step(self, batch: Batch, global_batch: int | None = None,
+                   prefetch: SparseFeatures | None = None) -> torch.Tensor:
         """One optimizer step; returns the (detached) mean loss over the global batch.
 
         With several trainers, ``batch`` is this trainer's share of a global batch of
@@ -142,7 +146,7 @@ class Trainer:
         mean loss, exactly as one process would compute it.
         """
         self.model.train()
-        logits = self.forward(batch)
+        logits = self.forward(batch, prefetch)
         labels = batch.labels.to(self.device, non_blocking=True)
         if self.trainers == 1:
             loss = nnf.binary_cross_entropy_with_logits(logits, labels)
@@ -151,7 +155,7 @@ class Trainer:
             total = nnf.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
             loss = total * (self.trainers / global_batch)
             report = total.detach() / global_batch
-            dist.all_reduce(report, group=self.cluster.trainer_group)
+            dist.all_reduce(report, group=self.cluster.trainer_group)  # on the device: NCCL for CUDA
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss.backward()  # also sends the embedding gradients to the fused sparse optimizer
@@ -167,31 +171,56 @@ class Trainer:
         return self.forward(batch)
 
     def evaluate(self, files: list[Path], max_rows: int = 0) -> dict[str, float]:
-        """Exact AUC and log loss over ``files`` (the first ``max_rows`` rows when > 0)."""
-        loader = self._loader(files, self.cfg.train.eval_batch_size, epochs=1, max_rows=max_rows)
+        """Exact AUC and log loss over ``files`` (the first ``max_rows`` rows when > 0); each
+        trainer scores its share, the master sees them all."""
+        steps = self._steps(files, self.cfg.train.eval_batch_size, 1, max_rows=max_rows)
         logits, labels = [], []
-        for batch in loader:
-            if self.trainers > 1:
-                batch = batch.share(self.rank, self.trainers)
-            logits.append(self.predict(batch).float().cpu().numpy())
-            labels.append(batch.labels.numpy())
-        if self.trainers > 1:  # every trainer scored its share: the master sees them all
+        try:
+            while (step := steps.next()) is not None:
+                logits.append(self.predict(step.batch).float().cpu().numpy())
+                labels.append(step.batch.labels.numpy())
+        finally:
+            steps.close()
+        if self.trainers > 1:
             parts: list = [None] * self.trainers
-            dist.all_gather_object(parts, (logits, labels), group=self.cluster.trainer_group)
+            dist.all_gather_object(parts, (logits, labels), group=self.cluster.trainer_cpu_group)
             logits = [z for part in parts for z in part[0]]
             labels = [y for part in parts for y in part[1]]
-        if not logits:
-            raise DataError(f"no valid rows in the test data ({', '.join(map(str, files))})")
         z, y = np.concatenate(logits), np.concatenate(labels)
+        if not y.size:
+            raise DataError(f"no valid rows in the test data ({', '.join(map(str, files))})")
         return {"test_auc": roc_auc(z, y), "test_logloss": log_loss_from_logits(z, y), "test_rows": int(y.size)}
 
-    def _loader(self, files, batch_size, epochs, start=None, max_rows=0) -> BatchLoader:
+    def _steps(self, files, batch_size: int, epochs: int, starts: list[Position] | None = None,
+               max_rows: int = 0) -> Steps:
+        """This process's shares of ``files`` as agreed steps: trainer r of T reads blocks r mod T
+        (a single process with ``data.interleave = k`` reads all k shares, as k trainers would)."""
         d = self.cfg.data
-        return BatchLoader(
-            files, self.spec, batch_size, num_workers=d.num_workers, block_bytes=d.block_bytes,
-            prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs, start=start,
-            max_rows=max_rows, pin_memory=self.device.type == "cuda",
-        )
+        parts = self.trainers if self.trainers > 1 else max(1, d.interleave)
+        mine = [self.rank] if self.trainers > 1 else list(range(parts))
+        starts = resume_positions(starts, parts)
+        loaders = [BatchLoader(
+            files, self.spec, batch_size * (t + 1) // parts - batch_size * t // parts, num_workers=d.num_workers,
+            block_bytes=d.block_bytes, prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs,
+            start=starts[t], max_rows=max_rows // parts if max_rows else 0, pin_memory=self.device.type == "cuda",
+            part=t, parts=parts) for t in mine]
+        return Steps(loaders, len(self.spec.dense), len(self.spec.categorical), self._agree,
+                     min(p.epoch for p in starts))
+
+    def loader(self, files, batch_size: int, epochs: int = 1, max_rows: int = 0) -> BatchLoader:
+        """A plain loader of ``files`` with this run's data settings (one share: every row)."""
+        d = self.cfg.data
+        return BatchLoader(files, self.spec, batch_size, num_workers=d.num_workers, block_bytes=d.block_bytes,
+                           prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs, max_rows=max_rows,
+                           pin_memory=self.device.type == "cuda")
+
+    def _agree(self, vector: list[float]) -> list[float]:
+        """Sum a per-step vector over the trainers (they call it together)."""
+        if self.trainers == 1:
+            return vector
+        t = torch.tensor(vector, dtype=torch.float64)
+        dist.all_reduce(t, group=self.cluster.trainer_cpu_group)
+        return t.tolist()
 
     # -- the run -----------------------------------------------------------------------------------
 
@@ -216,20 +245,19 @@ class Trainer:
         self.wait_for_master()  # servers restore their pieces meanwhile, however long it takes
         if self.cfg.live.store and self.live is None:
             self._start_live()
-        loader = self._loader(train_files, self.cfg.train.batch_size, self.cfg.train.epochs,
-                              start=self.state.position)
-        loader.bad_lines.restore(self.state.bad_lines)
+        steps = self._steps(train_files, self.cfg.train.batch_size, self.cfg.train.epochs, self.state.positions)
+        steps.shares[0].loader.bad_lines.restore(self.state.bad_lines)
         self._parse_base = (0, 0.0)  # loader counters already folded into the state
         try:
             with self._stop_signals():
-                finished = self._train_epochs(loader, test_files, on_step)
+                finished = self._train_epochs(steps, test_files, on_step)
         finally:
-            loader.close()
+            steps.close()
             if self.live is not None:
                 self.live.close()
-        if summary := loader.bad_lines.summary():
+        if summary := steps.shares[0].loader.bad_lines.summary():
             log.warning(summary)
-        self._checkpoint_with(loader)
+        self._checkpoint_with(steps)
         if self._stop_signal is not None or self._peer_stopped:
             self._stop_cluster()
             raise KeyboardInterrupt(
@@ -242,47 +270,65 @@ class Trainer:
         cluster_stats = self._stop_cluster()
         return write_metrics(self, final, train_files, test_files, finished, cluster_stats)
 
-    def _train_epochs(self, loader: BatchLoader, test_files: list[Path],
+    def _train_epochs(self, steps: Steps, test_files: list[Path],
                       on_step: Callable[[int, float], None] | None) -> bool:
-        """Step through ``loader``; True when every epoch ran to its end."""
+        """Take the agreed steps; True when every epoch ran to its end. The next step is agreed
+        on before this one runs, so that its ids can travel meanwhile (``dist.pipeline``)."""
         cfg, s = self.cfg.train, self.state
         epoch = s.position.epoch
-        running = _RunningLoss(self, s.samples_seen)
+        running = RunningLoss(self, s.samples_seen)
         t_last = time.perf_counter()
+        cur = steps.next(self._stop_signal is not None)
         try:
-            for batch in loader:
-                s.data_wait_seconds += time.perf_counter() - t_last  # time the loader kept us waiting
+            while cur is not None:
+                if cur.stop:
+                    self._peer_stopped = True
+                    return False
                 if cfg.max_steps and s.step >= cfg.max_steps:
                     return False
-                if batch.position.epoch != epoch:  # the previous epoch ended
+                if cur.epoch != epoch:  # the previous epoch ended
                     self._evaluate_into_history(test_files, final=False)
-                    epoch = batch.position.epoch
-                    t_last = time.perf_counter()
-                b = batch.batch_size
-                local = batch if self.trainers == 1 else batch.share(self.rank, self.trainers)
-                loss = self.train_step(local, global_batch=b)
+                    epoch = cur.epoch
+                s.data_wait_seconds += time.perf_counter() - t_last  # time the data kept us waiting
+                nxt = steps.next(self._stop_signal is not None)
+                loss = self.train_step(cur.batch, cur.global_rows, self._prefetch(cur, nxt))
                 if self.live is not None:
-                    self.live.after_step(batch.sparse)
+                    self.live.after_step(cur.batch.sparse)
                 s.step += 1
-                s.samples_seen += b
-                s.position = batch.position
+                s.samples_seen += cur.global_rows
+                s.position, s.positions = cur.positions[0], cur.positions
                 now = time.perf_counter()
                 s.train_seconds += now - t_last
                 t_last = now
-                running.add(loss, b, epoch)
+                running.add(loss, cur.global_rows, epoch)
                 if on_step is not None:
                     on_step(s.step, float(loss))
-                if cfg.eval_every_steps and s.step % cfg.eval_every_steps == 0:
+                if self._evaluation_due():
                     self._evaluate_into_history(test_files, final=False)
-                    t_last = time.perf_counter()
                 if cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0:
-                    self._checkpoint_with(loader)
-                    t_last = time.perf_counter()
-                if self._should_stop() or (cfg.max_steps and s.step >= cfg.max_steps):
-                    return False
+                    self._checkpoint_with(steps)
+                t_last = time.perf_counter()
+                cur = nxt
             return True
         finally:
             running.close()
+
+    def _evaluation_due(self) -> bool:
+        every = self.cfg.train.eval_every_steps
+        return bool(every) and self.state.step % every == 0
+
+    def _prefetch(self, cur: Step, nxt: Step | None) -> SparseFeatures | None:
+        """The next step's ids, when they may travel during this step: pipelining is on, the
+        route allows it, and nothing (an evaluation, a checkpoint, the end) comes between."""
+        cfg, step = self.cfg.train, self.state.step + 1
+        if self.cfg.dist.pipeline == "off" or not self.client.can_prefetch:
+            return None
+        if nxt is None or nxt.stop or nxt.epoch != cur.epoch or (cfg.max_steps and step >= cfg.max_steps):
+            return None
+        if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (
+                cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0):
+            return None
+        return nxt.batch.sparse
 
     def _prepare(self, train_files: list[Path], test_files: list[Path]) -> None:
         """Learn what the schema takes from the data (column names, standardize statistics), and
@@ -317,15 +363,26 @@ class Trainer:
         else:
             self.load_checkpoint(ckpt)
 
-    def _checkpoint_with(self, loader: BatchLoader) -> None:
-        """Fold the loader's counters into the state, then checkpoint."""
+    def _checkpoint_with(self, steps: Steps) -> None:
+        """Fold the loaders' counters into the state, gather every trainer's positions, checkpoint."""
         s = self.state
+        loader = steps.shares[0].loader
         s.bad_lines = loader.bad_lines.state()
+        rows = sum(share.loader.stats.rows for share in steps.shares)
+        seconds = sum(share.loader.stats.parse_seconds for share in steps.shares)
         rows0, secs0 = self._parse_base
-        s.parse_rows += loader.stats.rows - rows0
-        s.parse_seconds += loader.stats.parse_seconds - secs0
-        self._parse_base = (loader.stats.rows, loader.stats.parse_seconds)
-        self.save_checkpoint()
+        s.parse_rows += rows - rows0
+        s.parse_seconds += seconds - secs0
+        self._parse_base = (rows, seconds)
+        mine = s.positions
+        if self.trainers > 1:  # the checkpoint holds every trainer's positions, in rank order
+            parts: list = [None] * self.trainers
+            dist.all_gather_object(parts, [p.to_dict() for p in mine], group=self.cluster.trainer_cpu_group)
+            s.positions = [Position(**p) for part in parts for p in part]
+        try:
+            self.save_checkpoint()
+        finally:
+            s.positions = mine
 
     @contextlib.contextmanager
     def _stop_signals(self) -> Iterator[None]:
@@ -342,22 +399,14 @@ class Trainer:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
 
-    def _should_stop(self) -> bool:
-        """A stop signal seen by any trainer stops them all at the same step."""
-        if self.trainers == 1:
-            return self._stop_signal is not None
-        flag = torch.tensor([1 if self._stop_signal is not None else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.cluster.trainer_group)
-        self._peer_stopped = bool(flag.item())
-        return self._peer_stopped
-
     def _stop_cluster(self) -> dict | None:
         """Stop the embedding servers and collect every rank's timings and traffic at the master."""
         if self.cluster is None:
             return None
         self.client.close()
         mine = {"rank": self.rank, "timings": dict(self.timings), "client": dict(self.client.stats),
-                "exchange": dict(self.cluster.exchange.stats) if self.cluster.exchange else {}}
+                "rows_parsed": self.state.parse_rows,
+                "exchange": dict(self.cluster.transport.stats) if self.cluster.transport else {}}
         gathered: list | None = [None] * self.cluster.roles.world_size if self.is_master else None
         dist.gather_object(mine, gathered, dst=0)
         return {"ranks": gathered} if self.is_master else None
@@ -393,35 +442,3 @@ class Trainer:
         )
         self.state.history.append({"samples": self.state.samples_seen, **result, "final": final})
         return result
-
-
-class _RunningLoss:
-    """The progress bar and the running training loss in the history (every 20 steps)."""
-
-    def __init__(self, trainer: Trainer, initial: int) -> None:
-        self.trainer = trainer
-        self.loss_sum = torch.zeros((), device=trainer.device)
-        self.steps = self.samples = 0
-        self.bar = tqdm(
-            desc="train", unit="samples", unit_scale=True,
-            disable=not (trainer.cfg.train.progress and trainer.is_master), dynamic_ncols=True,
-            mininterval=0.5, file=sys.stderr, initial=initial,
-        )
-
-    def add(self, loss: torch.Tensor, b: int, epoch: int) -> None:
-        t = self.trainer
-        if t.cfg.train.log_step_losses:
-            t.step_losses.append(float(loss))
-        self.loss_sum += loss * b
-        self.steps += 1
-        self.samples += b
-        if self.steps % 20 == 0 or self.steps == 1:
-            running = float(self.loss_sum) / self.samples
-            self.bar.set_postfix(loss=f"{running:.4f}", epoch=epoch, refresh=False)
-            t.state.history.append({"samples": t.state.samples_seen, "train_loss": running})
-            self.loss_sum.zero_()
-            self.samples = 0
-        self.bar.update(b)
-
-    def close(self) -> None:
-        self.bar.close()

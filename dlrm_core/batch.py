@@ -80,6 +80,15 @@ class SparseFeatures:
         parts = [self.values[self.offsets[i * b + start] : self.offsets[i * b + stop]] for i in range(f)]
         return SparseFeatures.from_lengths(torch.cat(parts), lengths)
 
+    @classmethod
+    def cat(cls, parts: list[SparseFeatures]) -> SparseFeatures:
+        """The examples of several batches (same features) side by side, in order."""
+        f = parts[0].num_features
+        if all(p.values.numel() == p.offsets.numel() - 1 for p in parts):  # one-hot: [F, B_i] blocks
+            return cls.one_hot(torch.cat([p.values.view(f, p.batch_size) for p in parts], dim=1))
+        values = torch.cat([p.feature_values(k)[0] for k in range(f) for p in parts])
+        return cls.from_lengths(values, torch.cat([p.lengths() for p in parts], dim=1))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseFeatures:
         return SparseFeatures(
             values=self.values.to(device, non_blocking=non_blocking),
@@ -96,8 +105,10 @@ class Position:
     """Where the next unread example is: resuming there continues the stream exactly.
 
     ``block_offset``/``block_line`` locate the start of a parsed block in file ``file_index``
-    (byte offset in the decompressed stream, 1-based line number); ``rows_into_block`` valid
-    rows of that block are already consumed.
+    (byte offset in the decompressed stream, or row of a Parquet file; 1-based line number);
+    ``block`` is that block's number in the epoch (all files together: a trainer of T reads the
+    blocks whose number is its rank modulo T); ``rows_into_block`` valid rows of that block are
+    already consumed.
     """
 
     epoch: int = 0
@@ -105,6 +116,7 @@ class Position:
     block_offset: int = 0
     block_line: int = 1
     rows_into_block: int = 0
+    block: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -122,6 +134,14 @@ class Batch:
     @property
     def batch_size(self) -> int:
         return self.labels.numel()
+
+    @classmethod
+    def cat(cls, parts: list[Batch]) -> Batch:
+        """Several batches as one (the last one's position)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(torch.cat([p.dense for p in parts]), SparseFeatures.cat([p.sparse for p in parts]),
+                   torch.cat([p.labels for p in parts]), parts[-1].position)
 
     def share(self, index: int, parts: int) -> Batch:
         """Data-parallel share ``index`` of ``parts`` (contiguous, sizes differ by at most one)."""

@@ -62,6 +62,15 @@ class EmbeddingClient(ABC):
         return [self.tables[t].dim for t in self.feature_tables]
 
     @property
+    def can_prefetch(self) -> bool:
+        """Whether :meth:`prefetch` sends anything ahead (tables on other processes)."""
+        return False
+
+    def prefetch(self, sparse: SparseFeatures) -> None:  # noqa: B027 (nothing to send in process)
+        """Start the next training lookup of ``sparse`` while the current step computes; the
+        next :meth:`lookup` must be of this very batch. In process there is nothing to send."""
+
+    @property
     def plan(self) -> ShardingPlan | None:
         """Where the tables live across embedding servers (None: in this process)."""
         return None

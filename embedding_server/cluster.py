@@ -18,6 +18,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from dlrm_core.errors import ConfigError
@@ -57,14 +58,20 @@ class Cluster:
 
     roles: Roles
     rank: int
-    trainer_group: object | None  # a ProcessGroup, or None for a single trainer
+    trainer_group: object | None
+    """The trainers' group for DDP (NCCL when they train on CUDA, else Gloo); None for one trainer."""
     slow_group: object | None = None
     """The world again, with the long join timeout: for the moments when every rank waits on one
     rank's long work (restoring or finalising a large checkpoint, publishing the live version)."""
     topology: Topology | None = None
     """Host of every rank."""
+    trainer_cpu_group: object | None = None
+    """The trainers again, over Gloo: CPU-side agreements (per-step vectors, gathered objects)."""
     exchange: Exchange | None = None
-    """The world all-to-all (flat or hierarchical) that trainers and servers talk over."""
+    """The world all-to-all (flat or hierarchical) of the collective route."""
+    transport: object | None = None
+    """How trainers and servers exchange messages (``transport.open_transport``, once the plan
+    fixes the id dtype)."""
 
     @property
     def is_trainer(self) -> bool:
@@ -93,13 +100,16 @@ def wait_for_master(addr: str, port: int, deadline: float, who: str) -> None:
 
 
 def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s: float = 600.0,
-         hosts: int = 0, topology_file: str | None = None, hierarchical: bool = False) -> Cluster:
+         hosts: int = 0, topology_file: str | None = None, hierarchical: bool = False,
+         trainer_device: str = "cpu") -> Cluster:
     """Join the world (address and rank from the environment, as torchrun sets them).
 
     Rendezvous may wait up to ``join_timeout_s`` for every rank to arrive (ranks start in any
     order); after that, every collective fails within ``timeout_s`` of a lost peer. The host map
     comes from ``topology_file``, else ``hosts`` emulated hosts, else the machines' own names
     (see ``topology.py``); ``hierarchical`` routes the world all-to-all through host-mates.
+    With ``trainer_device`` cuda (and CUDA present), the trainers' DDP group runs on NCCL; the
+    world (trainers and servers) stays on Gloo.
     """
     rank = int(os.environ["RANK"]) if rank is None else rank
     world = int(os.environ.get("WORLD_SIZE", roles.world_size))
@@ -124,7 +134,17 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s
             timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
         )
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=step_timeout)
-    group = dist.new_group(list(range(roles.num_trainers))) if roles.num_trainers > 1 else None
+    trainers = list(range(roles.num_trainers))
+    # NCCL between trainers only if every trainer has CUDA (every rank must agree: group creation
+    # is a collective made by every rank in the same order, members or not).
+    mine = roles.is_trainer(rank) and trainer_device == "cuda" and torch.cuda.is_available()
+    flags: list = [None] * world
+    dist.all_gather_object(flags, mine)
+    cuda = all(flags[:roles.num_trainers])
+    cpu_group = dist.new_group(trainers, timeout=step_timeout) if roles.num_trainers > 1 else None
+    group = cpu_group
+    if cuda and roles.num_trainers > 1:  # DDP's all-reduce over NCCL between CUDA trainers
+        group = dist.new_group(trainers, timeout=step_timeout, backend="nccl")
     slow = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=join_timeout_s))
     if topology_file:
         topology = Topology.load(topology_file, world)
@@ -141,4 +161,4 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s
     if rank == 0:
         log.info("topology: %s%s", topology.describe(), "; hierarchical all-to-all" if exchange.hierarchical else "")
     log.debug("joined as %s", who)
-    return Cluster(roles, rank, group, slow, topology, exchange)
+    return Cluster(roles, rank, group, slow, topology, cpu_group, exchange)

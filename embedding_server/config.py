@@ -59,6 +59,15 @@ class DistConfig(Section):
     """A lost rank ends the job within this many seconds, naming it (never a hang)."""
     join_timeout_s: float = Field(default=600.0, gt=0)
     """How long ranks wait for each other at start-up (they may start in any order)."""
+    pipeline: Literal["off", "exact", "semi-sync"] = flag("exact", "--pipeline")
+    """exact: the next batch's ids travel, and the servers look it up, while the trainers compute
+    the current one (results identical to off); semi-sync: lookups do not wait for the previous
+    step's update (one step stale); off: lockstep. The hierarchical route is always lockstep."""
+    exchange_chunks: int = Field(default=0, ge=0)
+    """Pooled-vector and gradient messages per trainer/server pair and step (0: auto, 4 when some
+    trainer and server are on different hosts, else 1): a chunk's gradients are applied, and its
+    rows looked up again, while the next chunk is on the wire, so that the two directions of a
+    link overlap. Towers use 1."""
     exchange_dtype: Literal["fp32", "fp16", "bf16"] = flag("fp32", "--exchange-dtype")
     """Type of pooled embeddings and gradients on the wire (fp16/bf16 halve the bytes)."""
     hosts: int = flag(0, "--hosts", ge=0)

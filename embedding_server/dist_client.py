@@ -1,10 +1,16 @@
 """The trainer's view of embedding servers: the distributed backend of ``EmbeddingClient``.
 
-``lookup`` is an autograd function. Forward routes each table's bags to the servers holding its
-pieces (one ``sharding/`` module per placement), sends every server its ids in one all-to-all
-(after a header round that says what to do and how much follows), and assembles the pooled
-embeddings that come back in a second all-to-all. Backward splits the gradient the same way and
-sends it back in a third; the servers' fused optimizers do the rest.
+``lookup`` is an autograd function. Forward routes each feature's bags to the servers holding
+its table's pieces (one ``sharding/`` module per placement), sends every server one id message
+(the command header folded in), and assembles the pooled embeddings that come back. Backward
+splits the gradient the same way and sends it back; the servers' fused optimizers do the rest.
+Messages travel over a ``transport.py`` route (point-to-point between trainer/server pairs by
+default).
+
+**Pipelining**: ``prefetch(sparse)`` sends the ids of a batch (and posts the receive of its
+pooled vectors) ahead of its ``lookup``, from a background thread while the current batch's
+dense forward and backward run; ``lookup`` of that batch then only waits for what is already
+on its way.
 
 What comes back, and how it becomes the dense network's input, is the client's *stage*: the
 flat one here (per server its pieces' pooled vectors, combined per table); DMT's tower stage
@@ -13,8 +19,11 @@ flat one here (per server its pieces' pooled vectors, combined per table); DMT's
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -27,48 +36,70 @@ from embedding_server.client import EmbeddingClient
 from embedding_server.cluster import Cluster
 from embedding_server.planner import ShardingPlan
 from embedding_server.sharding import SCHEMES
-from embedding_server.wire import EXCHANGE_DTYPES, HEADER, Command, ids_dtype, pack_ids
+from embedding_server.transport import GRADS, POOLED, Pending
+from embedding_server.wire import EXCHANGE_DTYPES, Command, id_message, ids_dtype, pack_ids
+
+Messages = list[tuple[int, int]]
+"""(server index, elements) of each pooled message of a lookup, in the order they are received."""
 
 
 class ClientStage(Protocol):
     """What the servers send back and how it becomes the dense network's input."""
 
-    recv_widths: list[int]
-    """Floats per example that each server sends this trainer."""
     layout: object | None
     """The tower layout, for a tower stage (None: the flat model)."""
 
     def output_dims(self, flat_dims: list[int]) -> list[int]: ...
 
-    def assemble(self, received: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
-        """The received floats (server by server) -> the dense input [B, sum of output dims]."""
+    def messages(self, b: int) -> Messages:
+        """The pooled messages of a lookup of ``b`` examples, in order."""
 
-    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> tuple[list, list[int]]:
-        """Its gradient -> (flat parts in server order, elements for each server)."""
+    def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+        """The received messages (as :meth:`messages` lists them) -> the dense input
+        [B, sum of output dims]."""
+
+    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        """Its gradient -> (server index, flat part) of each gradient message, in sending order."""
 
 
 class FlatStage:
-    """Per server [B, width] -> per slot (feature, piece) [B, d_p] -> per feature [B, D_f] -> [B, sum D_f]."""
+    """Per server and chunk [B, width_k] -> per slot (feature, piece) [B, d_p] -> per feature
+    [B, D_f] -> [B, sum D_f]. A server's slots come chunk by chunk (``planner.chunks_on``): one
+    message per chunk and direction, so that a chunk's gradients can be applied, and its rows
+    looked up again, while the next chunk is still on the wire."""
 
     layout = None
 
-    def __init__(self, plan: ShardingPlan, spec: FeatureSpec, num_servers: int) -> None:
+    def __init__(self, plan: ShardingPlan, spec: FeatureSpec, num_servers: int, chunks: int = 1) -> None:
         self.spec = spec
-        self.server_slots = [plan.slots_on(s, spec.feature_tables) for s in range(num_servers)]
-        self.widths = [sum(p.dim for _, p in slots) for slots in self.server_slots]
-        self.recv_widths = self.widths
+        self.server_slots = [plan.slots_on(s, spec.feature_tables, chunks) for s in range(num_servers)]
+        self.chunk_widths = []
+        for s, slots in enumerate(self.server_slots):
+            sizes = plan.chunks_on(s, spec.feature_tables, chunks) if slots else []
+            starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+            self.chunk_widths.append([sum(p.dim for _, p in slots[starts[k] : starts[k + 1]]) for k in range(len(sizes))])
+        self.widths = [sum(w) for w in self.chunk_widths]
         self.feature_pieces = [plan.pieces_of(spec.tables[t].name) for t in spec.feature_tables]
+        rounds = max((len(w) for w in self.chunk_widths), default=0)
+        # Message order: chunk 0 of every server, then chunk 1 ... (each server's chunks in order).
+        self.order = [(s, k) for k in range(rounds) for s in range(num_servers) if k < len(self.chunk_widths[s])]
 
     def output_dims(self, flat_dims: list[int]) -> list[int]:
         return flat_dims
 
-    def assemble(self, received: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
-        blocks = torch.split(received, [b * w for w in self.widths])
+    def messages(self, b: int) -> Messages:
+        return [(s, b * self.chunk_widths[s][k]) for s, k in self.order]
+
+    def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+        blocks: list[list[torch.Tensor]] = [[None] * len(w) for w in self.chunk_widths]
+        for (s, k), msg in zip(self.order, received, strict=True):
+            blocks[s][k] = msg.view(b, self.chunk_widths[s][k])
         slot_out = {}
-        for s, block in enumerate(blocks):
-            slots = self.server_slots[s]
-            cols = torch.split(block.view(b, self.widths[s]), [p.dim for _, p in slots], dim=1)
-            for (f, p), c in zip(slots, cols, strict=True):
+        for s, slots in enumerate(self.server_slots):
+            if not slots:
+                continue
+            block = torch.cat(blocks[s], dim=1) if len(blocks[s]) > 1 else blocks[s][0]  # [B, width_s]
+            for (f, p), c in zip(slots, torch.split(block, [p.dim for _, p in slots], dim=1), strict=True):
                 slot_out[(f, id(p))] = c
         feats = []
         for f, pieces in enumerate(self.feature_pieces):
@@ -76,7 +107,7 @@ class FlatStage:
             feats.append(SCHEMES[pieces[0].kind].combine([slot_out[(f, id(p))] for p in pieces], bag_lengths[f], table))
         return torch.cat(feats, dim=1)
 
-    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> tuple[list, list[int]]:
+    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
         per_slot = {}
         col = 0
         for f, pieces in enumerate(self.feature_pieces):
@@ -85,21 +116,33 @@ class FlatStage:
             col += table.dim
             for p, gp in zip(pieces, SCHEMES[pieces[0].kind].split_grad(g, bag_lengths[f], pieces, table), strict=True):
                 per_slot[(f, id(p))] = gp
-        parts = [torch.cat([per_slot[(f, id(p))] for f, p in slots], dim=1) if slots else torch.zeros(b, 0)
-                 for slots in self.server_slots]
-        return [p.reshape(-1) for p in parts], [b * w for w in self.widths]
+        per_server = [torch.cat([per_slot[(f, id(p))] for f, p in slots], dim=1) if slots else None
+                      for slots in self.server_slots]
+        chunks = [torch.split(g, w, dim=1) if g is not None else [] for g, w in zip(per_server, self.chunk_widths,
+                                                                                      strict=True)]
+        return [(s, chunks[s][k].reshape(-1)) for s, k in self.order]
+
+
+@dataclass
+class _InFlight:
+    """A lookup whose ids are sent and whose pooled vectors are on their way."""
+
+    sparse: SparseFeatures
+    batch: int
+    bag_lengths: list[torch.Tensor]
+    sent: Pending
+    pooled: Pending
 
 
 class _DistributedLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, placeholder, client, sparse):  # noqa: ARG004
-        pooled, routing = client._forward(sparse, Command.LOOKUP_TRAIN)
-        ctx.client, ctx.routing = client, routing
-        return pooled
+    def forward(ctx, placeholder, client, inflight):  # noqa: ARG004
+        ctx.client, ctx.inflight = client, inflight
+        return client._to_device(client._finish(inflight))
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.client._backward(grad, ctx.routing)
+        ctx.client._send_grads(grad.detach().cpu(), ctx.inflight)
         return None, None, None
 
 
@@ -111,11 +154,16 @@ class DistributedEmbeddingClient(EmbeddingClient):
             scaled for DDP's averaging, the servers sum over trainers).
         exchange_dtype: fp32, or fp16/bf16 to halve the bytes of pooled embeddings and gradients.
         stage: what the servers send back (default: the flat model's pooled vectors).
+        chunks: pooled / gradient messages per server and step (the flat stage's chunks).
+        device: where the trainer's dense network runs (CUDA: pooled vectors arrive in pinned
+            host memory and are copied without blocking).
     """
 
     def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, grad_scale: float = 1.0,
-                 exchange_dtype: str = "fp32", stage: ClientStage | None = None) -> None:
+                 exchange_dtype: str = "fp32", stage: ClientStage | None = None, chunks: int = 1,
+                 device: torch.device | str = "cpu") -> None:
         self.cluster = cluster
+        self.device = torch.device(device)
         self.roles = cluster.roles
         self._plan = plan
         self.spec = spec
@@ -125,11 +173,16 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self.wire_dtype = EXCHANGE_DTYPES[exchange_dtype]
         self.server_slots = [plan.slots_on(s, spec.feature_tables) for s in range(self.roles.num_servers)]
         self.feature_pieces = [plan.pieces_of(spec.tables[t].name) for t in spec.feature_tables]
-        self.exchange = cluster.exchange
+        self.transport = cluster.transport
+        self.servers = [self.roles.server_rank(s) for s in range(self.roles.num_servers)]
         self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))
-        self.stage = stage or FlatStage(plan, spec, self.roles.num_servers)
+        self.stage = stage or FlatStage(plan, spec, self.roles.num_servers, chunks)
         self._placeholder = torch.zeros(0, requires_grad=True)
-        self._stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0}
+        self._stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0, "prefetched": 0}
+        self._next: Future | None = None  # a prefetched training lookup
+        self._sends: list[Pending] = []  # gradient messages still being sent
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     @property
     def kernel(self) -> str:
@@ -147,18 +200,12 @@ class DistributedEmbeddingClient(EmbeddingClient):
     def stats(self) -> dict[str, float]:
         return self._stats
 
-    # -- collectives --------------------------------------------------------------------------------
+    @property
+    def can_prefetch(self) -> bool:
+        """Whether lookups can be sent ahead (point-to-point transport)."""
+        return self.transport.pipelined
 
-    def _headers(self, command: Command, arg: int, payloads: list[int], batch: int) -> None:
-        world = self.roles.world_size
-        out = torch.zeros(world, HEADER, dtype=torch.int64)
-        for s in range(self.roles.num_servers):
-            out[self.roles.server_rank(s)] = torch.tensor([int(command), arg, payloads[s] if payloads else 0, batch])
-        t0 = time.perf_counter()
-        self.exchange.all_to_all(torch.empty(world * HEADER, dtype=torch.int64), out.view(-1), [HEADER] * world,
-                                 [HEADER] * world)
-        self._stats["comm_s"] += time.perf_counter() - t0
-        self._stats["bytes_out"] += out.numel() * 8
+    # -- messages -------------------------------------------------------------------------------------
 
     def _route(self, sparse: SparseFeatures) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each feature's bags to the servers holding its table's pieces: (payload per server,
@@ -175,47 +222,84 @@ class DistributedEmbeddingClient(EmbeddingClient):
         payloads = [pack_ids([routed[(f, id(p))] for f, p in slots], self.id_dtype) for slots in self.server_slots]
         return payloads, bag_lengths
 
-    def _forward(self, sparse: SparseFeatures, command: Command):
-        world, b = self.roles.world_size, sparse.batch_size
-        payloads, bag_lengths = self._route(sparse)
-        self._headers(command, 0, [p.numel() for p in payloads], b)
-        send = torch.cat(payloads) if payloads else torch.zeros(0, dtype=self.id_dtype)
-        in_splits = [0] * self.roles.num_trainers + [p.numel() for p in payloads]
-        out_splits = [0] * self.roles.num_trainers + [b * w for w in self.stage.recv_widths]
-        received = torch.empty(sum(out_splits), dtype=self.wire_dtype)
+    def _command(self, command: Command, arg: int = 0) -> None:
+        """A header-only message to every server (checkpoint, live start, stop)."""
+        self._drain_sends()
+        empty = torch.zeros(0, dtype=self.id_dtype)
         t0 = time.perf_counter()
-        self.exchange.all_to_all(torch.empty(0, dtype=self.id_dtype), send, [0] * world, in_splits)
-        self.exchange.all_to_all(received, torch.empty(0, dtype=self.wire_dtype), out_splits, [0] * world)
+        self.transport.send_ids([id_message(command, arg, 0, empty)] * self.roles.num_servers).wait()
         self._stats["comm_s"] += time.perf_counter() - t0
-        self._stats["bytes_out"] += send.numel() * send.element_size()
-        self._stats["bytes_in"] += received.numel() * received.element_size()
-        self._stats["lookups"] += 1
-        return self.stage.assemble(received.float(), b, bag_lengths), (b, bag_lengths)
 
-    def _backward(self, grad: torch.Tensor, routing) -> None:
-        b, bag_lengths = routing
-        parts, per_server = self.stage.split_grad(grad * self.grad_scale, b, bag_lengths)
-        send = torch.cat(parts).to(self.wire_dtype)
-        world = self.roles.world_size
+    def _start(self, sparse: SparseFeatures, command: Command) -> _InFlight:
+        """Route and send the ids; post the receive of the pooled vectors."""
+        b = sparse.batch_size
+        payloads, bag_lengths = self._route(sparse)
+        messages = [id_message(command, 0, b, p) for p in payloads]
+        layout = self.stage.messages(b)
+        with self._lock:  # one id message per server and step, in order
+            sent = self.transport.send_ids(messages)
+            pooled = self.transport.recv_floats([self.servers[s] for s, _ in layout], [n for _, n in layout],
+                                                self.wire_dtype, POOLED)
+        self._stats["bytes_out"] += sum(m.numel() * m.element_size() for m in messages)
+        self._stats["lookups"] += 1
+        return _InFlight(sparse, b, bag_lengths, sent, pooled)
+
+    def _finish(self, inflight: _InFlight) -> torch.Tensor:
+        """Wait for the pooled vectors and assemble the dense network's input [B, sum of output dims]."""
         t0 = time.perf_counter()
-        self.exchange.all_to_all(torch.empty(0, dtype=self.wire_dtype), send, [0] * world,
-                                 [0] * self.roles.num_trainers + per_server)
+        parts = inflight.pooled.wait()
+        inflight.sent.wait()
         self._stats["comm_s"] += time.perf_counter() - t0
-        self._stats["bytes_out"] += send.numel() * send.element_size()
+        self._stats["bytes_in"] += sum(p.numel() * p.element_size() for p in parts)
+        return self.stage.assemble([p.float() for p in parts], inflight.batch, inflight.bag_lengths)
+
+    def _to_device(self, pooled: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return pooled
+        return pooled.pin_memory().to(self.device, non_blocking=True)
+
+    def _send_grads(self, grad: torch.Tensor, inflight: _InFlight) -> None:
+        parts = self.stage.split_grad(grad * self.grad_scale, inflight.batch, inflight.bag_lengths)
+        tensors = [t.to(self.wire_dtype) for _, t in parts]
+        t0 = time.perf_counter()
+        self._sends.append(self.transport.send_floats([self.servers[s] for s, _ in parts], tensors, GRADS))
+        self._stats["comm_s"] += time.perf_counter() - t0
+        self._stats["bytes_out"] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def _drain_sends(self) -> None:
+        while self._sends:
+            self._sends.pop(0).wait()
 
     # -- the EmbeddingClient interface ------------------------------------------------------------
 
     def output_dims(self) -> list[int]:
         return self.stage.output_dims(super().output_dims())
 
+    def prefetch(self, sparse: SparseFeatures) -> None:
+        """Send the ids of the next training lookup now, from a background thread (pipelining)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch-ids")
+        self._next = self._pool.submit(self._start, sparse, Command.LOOKUP_TRAIN)
+
     def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return _DistributedLookup.apply(self._placeholder, self, sparse)
-        return self._forward(sparse, Command.LOOKUP_EVAL)[0]
+        if not torch.is_grad_enabled():
+            return self._to_device(self._finish(self._start(sparse, Command.LOOKUP_EVAL)))
+        inflight = None
+        if self._next is not None:
+            inflight = self._next.result()
+            self._next = None
+            if inflight.sparse is not sparse:
+                raise RuntimeError("the prefetched lookup is not the batch being trained")
+            self._stats["prefetched"] += 1
+        if len(self._sends) > 1:
+            self._sends.pop(0).wait()  # gradients of two steps ago are out by now
+        if inflight is None:
+            inflight = self._start(sparse, Command.LOOKUP_TRAIN)
+        return _DistributedLookup.apply(self._placeholder, self, inflight)
 
     def save(self, directory: Path, step: int) -> None:
         """Every trainer calls this at the same step: servers write their pieces, then all meet."""
-        self._headers(Command.CHECKPOINT, step, [], 0)
+        self._command(Command.CHECKPOINT, step)
         dist.barrier()
 
     def restore(self, checkpoint: Path) -> None:
@@ -224,11 +308,13 @@ class DistributedEmbeddingClient(EmbeddingClient):
     def live_start(self, publish: Callable[[], str] | None) -> str:
         """Every trainer calls this: the master's ``publish()`` makes the live version, whose name
         then goes to every rank (servers push their rows to it)."""
-        self._headers(Command.LIVE_START, 0, [], 0)
+        self._command(Command.LIVE_START)
         holder = [publish() if publish is not None else None]
         dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
         return holder[0]
 
     def close(self) -> None:
         """Tell the servers to stop; returns nothing (the master gathers their timings)."""
-        self._headers(Command.STOP, 0, [], 0)
+        self._command(Command.STOP)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

@@ -62,12 +62,43 @@ class ShardingPlan(BaseModel):
     def kind_of(self, table: str) -> ShardingKind:
         return self.pieces_of(table)[0].kind
 
-    def slots_on(self, server: int, feature_tables: list[int]) -> list[tuple[int, Piece]]:
+    def slots_on(self, server: int, feature_tables: list[int], chunks: int = 1) -> list[tuple[int, Piece]]:
         """What ``server`` looks up for each example: (feature, piece) for every categorical
-        feature whose table has a piece there, by feature, then by the table's piece order.
-        Features sharing a table read the same piece in several slots."""
+        feature whose table has a piece there, by feature, then by the table's piece order, and,
+        with ``chunks`` > 1, chunk by chunk (:meth:`chunks_on`). Features sharing a table read the
+        same piece in several slots."""
         mine = self.pieces_on(server)
-        return [(f, p) for f, t in enumerate(feature_tables) for p in mine if p.table_index == t]
+        slots = [(f, p) for f, t in enumerate(feature_tables) for p in mine if p.table_index == t]
+        if chunks <= 1:
+            return slots
+        return [slots[i] for group in _slot_chunks(slots, chunks) for i in group]
+
+    def chunks_on(self, server: int, feature_tables: list[int], chunks: int) -> list[int]:
+        """How many of :meth:`slots_on`'s slots (in their chunked order) each chunk holds: the
+        pieces split in up to ``chunks`` groups of about equal width, a piece's slots together,
+        so that a chunk's rows can be updated and looked up again while the next chunk's
+        gradients are still on their way."""
+        mine = self.pieces_on(server)
+        slots = [(f, p) for f, t in enumerate(feature_tables) for p in mine if p.table_index == t]
+        return [len(group) for group in _slot_chunks(slots, max(1, chunks))]
+
+
+def _slot_chunks(slots: list[tuple[int, Piece]], chunks: int) -> list[list[int]]:
+    """Slot indices per chunk: pieces (in order of first use) cut at equal shares of the width."""
+    order: dict[int, list[int]] = {}
+    for i, (_, p) in enumerate(slots):
+        order.setdefault(id(p), []).append(i)
+    groups = list(order.values())
+    width = [sum(slots[i][1].dim for i in g) for g in groups]
+    total = sum(width) or 1
+    out: list[list[int]] = [[]]
+    done = 0
+    for g, w in zip(groups, width, strict=True):
+        if out[-1] and done >= total * len(out) / chunks and len(out) < chunks:
+            out.append([])
+        out[-1].extend(g)
+        done += w
+    return [sorted(g) for g in out]
 
 
 def table_factors(spec: FeatureSpec, feature_factors: list[float] | None) -> list[float] | None:

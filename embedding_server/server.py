@@ -1,7 +1,7 @@
 """The embedding server: the parameter node's loop.
 
 It holds its pieces of the tables (:class:`EmbeddingShard`, fbgemm TBE with the fused
-optimizer) and answers the trainers in lockstep, one command per round (see ``wire.py``):
+optimizer) and answers the trainers, one id message from every trainer per round (``wire.py``):
 
     LOOKUP_TRAIN   ids in -> one fused lookup over every trainer's examples -> pooled out ->
                    gradients in -> backward, which applies the optimizer to the touched rows
@@ -9,6 +9,11 @@ optimizer) and answers the trainers in lockstep, one command per round (see ``wi
     CHECKPOINT     save the pieces and their optimizer state into the partial checkpoint
     LIVE_START     start pushing changed rows to the serving store's current (live) version
     STOP           report timings and leave
+
+The next round's id messages are received while the current one is worked on. With
+``pipeline = exact`` a lookup waits for the previous step's update, so every lookup sees the
+rows a lockstep run would; with ``semi-sync`` the lookup of step i+1 runs as soon as its ids
+arrive and the update of step i follows it (the rows are one step stale).
 
 What happens between the lookup and the trainers is the server's *stage*: here the flat one
 (each trainer gets the pooled vectors of its own examples); DMT's tower stage
@@ -33,18 +38,26 @@ from embedding_server.cluster import Cluster
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
 from embedding_server.live import LivePusher
 from embedding_server.planner import ShardingPlan
-from embedding_server.shard import EmbeddingShard
+from embedding_server.shard import EmbeddingShard, ShardSet
 from embedding_server.table_checkpoint import CheckpointTables, shard_payload
-from embedding_server.wire import EXCHANGE_DTYPES, HEADER, Command, ids_dtype, unpack_ids
+from embedding_server.transport import GRADS, POOLED
+from embedding_server.wire import EXCHANGE_DTYPES, Command, ids_dtype, parse_id_message, unpack_ids
 
 log = logging.getLogger(__name__)
+
+Update = Callable[[], None]
+"""What is left of a training lookup once its outputs are sent: take the gradients, step."""
 
 
 class ServerStage(Protocol):
     """What a server does with its pooled embeddings: answer the trainers, take their gradients."""
 
-    def respond(self, pooled: torch.Tensor, batches: list[int], train: bool) -> None:
-        """pooled float [sum_r B_r, width] (rows by trainer); batches: B_r of each trainer."""
+    deferrable: bool
+    """Whether the update may run after the next lookup (semi-synchronous pipelining)."""
+
+    def respond(self, pooled: torch.Tensor, batches: list[int], train: bool) -> Update | None:
+        """pooled float [sum_r B_r, width] (rows by trainer); batches: B_r of each trainer.
+        Returns the update still to run (None when there is none)."""
 
     def save(self, directory: Path) -> None:
         """Write the stage's own state (if any) into a partial checkpoint."""
@@ -57,28 +70,39 @@ class FlatStage:
     """The flat model: trainer r gets its rows of the pooled vectors [B_r, width] and returns their
     gradient, which runs the fused optimizer."""
 
+    deferrable = True
+
     def __init__(self, server: EmbeddingServer) -> None:
         self.server = server
+        self.trainers = list(range(server.roles.num_trainers))
 
-    def respond(self, pooled: torch.Tensor, batches: list[int], train: bool) -> None:
+    def respond(self, pooled: torch.Tensor, batches: list[int], train: bool) -> Update | None:
+        """One chunk's pooled vectors [sum_r B_r, width_k] out, its gradients' receive posted."""
         s = self.server
-        world, trainers = s.roles.world_size, s.roles.num_trainers
+        width = pooled.shape[1]
         send = pooled.detach().to(s.wire_dtype).contiguous()
-        out_splits = [0] * world
-        in_splits = [b * s.width for b in batches] + [0] * (world - trainers)
+        parts = list(torch.split(send, batches))  # [B_r, width_k] per trainer
         t0 = time.perf_counter()
-        s.exchange.all_to_all(torch.empty(0, dtype=s.wire_dtype), send.view(-1), out_splits, in_splits)
+        sent = s.transport.send_floats(self.trainers, [p.reshape(-1) for p in parts], POOLED)
         if not train:
+            sent.wait()
             s.timings["wait_s"] += time.perf_counter() - t0
-            return
-        total = sum(batches)
-        grads = torch.empty(total * s.width, dtype=s.wire_dtype)
-        s.exchange.all_to_all(grads, torch.empty(0, dtype=s.wire_dtype), in_splits, out_splits)
-        s.timings["wait_s"] += time.perf_counter() - t0
-        t1 = time.perf_counter()
-        if s.shard is not None and total > 0:
-            pooled.backward(grads.view(total, s.width).to(pooled.dtype))  # fused optimizer step
-        s.timings["update_s"] += time.perf_counter() - t1
+            return None
+        grads = s.transport.recv_floats(self.trainers, [b * width for b in batches], s.wire_dtype, GRADS)
+
+        def update() -> None:
+            t1 = time.perf_counter()
+            received = grads.wait()
+            sent.wait()
+            s.timings["wait_s"] += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            total = sum(batches)
+            if total > 0 and pooled.requires_grad and pooled.grad_fn is not None:
+                g = torch.cat(received).view(total, width).to(pooled.dtype)
+                pooled.backward(g)  # fused optimizer step
+            s.timings["update_s"] += time.perf_counter() - t2
+
+        return update
 
     def save(self, directory: Path) -> None:
         pass
@@ -91,28 +115,33 @@ class EmbeddingServer:
     """One parameter node of a job.
 
     Args:
-        cluster: this rank's place in the world.
+        cluster: this rank's place in the world (its transport carries the messages).
         plan: the sharding plan (this server holds ``plan.pieces_on(its index)``).
         spec: the model's features and tables.
-        embedding / dist / live: the config sections (tables and optimizer, wire dtype, live store).
+        embedding / dist / live: the config sections (tables and optimizer, wire dtype and
+            pipelining, live store).
         seed: initialisation seed of the tables.
         checkpoint_root: the job's checkpoints directory.
         stage: builds the stage from this server (default: the flat one).
+        chunks: gradient / pooled messages per trainer and step (``transport.exchange_chunks``).
     """
 
     def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, embedding: EmbeddingConfig,
                  dist: DistConfig, live: LiveConfig, seed: int, checkpoint_root: Path,
-                 stage: Callable[[EmbeddingServer], ServerStage] | None = None) -> None:
+                 stage: Callable[[EmbeddingServer], ServerStage] | None = None, chunks: int = 1) -> None:
         self.cluster = cluster
         self.roles = cluster.roles
         self.index = self.roles.server_index(cluster.rank)
         self.pieces = plan.pieces_on(self.index)
-        # What it looks up per example: (feature, piece) slots; features sharing a table share pieces.
-        self.slots = plan.slots_on(self.index, spec.feature_tables)
+        # What it looks up per example: (feature, piece) slots, chunk by chunk; features sharing a
+        # table share pieces. One shard per chunk: a chunk is updated, then looked up again, alone.
+        self.slots = plan.slots_on(self.index, spec.feature_tables, chunks)
+        sizes = plan.chunks_on(self.index, spec.feature_tables, chunks) if self.slots else []
+        self.chunks = [(sum(sizes[:k]), sum(sizes[: k + 1])) for k in range(len(sizes))]
         self.slot_piece = [self.pieces.index(p) for _, p in self.slots]
         self.local_tables = [p.local_table(spec.tables[p.table_index]) for p in self.pieces]
-        self.shard = EmbeddingShard(self.local_tables, embedding.optimizer, "cpu", seed,
-                                    embedding.init_scale or None, self.slot_piece) if self.slots else None
+        self.shards = [self._chunk_shard(a, b, embedding, seed) for a, b in self.chunks]
+        self.shard = ShardSet(self.shards) if self.shards else None
         self.width = sum(p.dim for _, p in self.slots)
         self.checkpoint_root = Path(checkpoint_root)
         self.wire_dtype = EXCHANGE_DTYPES[dist.exchange_dtype]
@@ -120,9 +149,20 @@ class EmbeddingServer:
         self.steps = 0
         self.live_config = live
         self.live: LivePusher | None = None
-        self.exchange = cluster.exchange
+        self.transport = cluster.transport
         self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))  # as the trainers send
         self.stage: ServerStage = (stage or FlatStage)(self)
+        self.semi_sync = dist.pipeline == "semi-sync" and self.stage.deferrable and self.transport.pipelined
+        # Lockstep applies each update as soon as its gradients arrive; pipelined runs keep it
+        # until the next step's ids are in, to interleave it chunk by chunk with their lookup.
+        self.eager = dist.pipeline == "off" or not self.transport.pipelined
+        self._pending: list[Update | None] = [None] * max(1, len(self.chunks))  # per chunk: the last step's update
+
+    def _chunk_shard(self, a: int, b: int, embedding: EmbeddingConfig, seed: int) -> EmbeddingShard:
+        """The shard of slots [a, b): its pieces, each feature slot reading its piece."""
+        pieces = list(dict.fromkeys(self.slot_piece[a:b]))
+        return EmbeddingShard([self.local_tables[p] for p in pieces], embedding.optimizer, "cpu", seed,
+                              embedding.init_scale or None, [pieces.index(p) for p in self.slot_piece[a:b]])
 
     def restore(self, checkpoint: Path) -> None:
         if self.shard is not None:
@@ -132,69 +172,87 @@ class EmbeddingServer:
 
     def serve(self) -> dict:
         """Answer commands until STOP; return this server's timings."""
-        world = self.roles.world_size
+        incoming = self.transport.post_recv_ids()
         while True:
             t0 = time.perf_counter()
-            headers = torch.zeros(world * HEADER, dtype=torch.int64)
-            self.exchange.all_to_all(headers, torch.zeros(world * HEADER, dtype=torch.int64), [HEADER] * world,
-                                     [HEADER] * world)
+            messages = [parse_id_message(m) for m in self.transport.finish_ids(incoming)]
             self.timings["wait_s"] += time.perf_counter() - t0
-            h = headers.view(world, HEADER)[: self.roles.num_trainers]
-            command = Command(int(h[0, 0]))
-            if not bool((h[:, 0] == h[0, 0]).all()):
-                raise RuntimeError(f"server {self.index}: trainers disagree on the command: {h[:, 0].tolist()}")
+            command = messages[0][0]
+            if any(m[0] != command for m in messages):
+                raise RuntimeError(f"server {self.index}: trainers disagree on the command: {[m[0] for m in messages]}")
+            if command != Command.STOP:
+                incoming = self.transport.post_recv_ids()  # the next round arrives while this one runs
+            if command != Command.LOOKUP_TRAIN:
+                self._flush()  # every command but a training lookup sees all updates applied
             if command == Command.STOP:
                 if self.live is not None:
                     self.live.close()
-                return {"server": self.index, "steps": self.steps, **self.timings, **self.exchange.stats}
+                return {"server": self.index, "steps": self.steps, **self.timings, **self.transport.stats}
             if command == Command.LIVE_START:
                 holder = [None]  # the version the master publishes now (it may take minutes)
                 dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
                 self.start_live(holder[0])
-                continue
-            if command == Command.CHECKPOINT:
-                self.save(int(h[0, 1]))
+            elif command == Command.CHECKPOINT:
+                self.save(messages[0][1])
                 dist.barrier()
                 dist.barrier(group=self.cluster.slow_group)  # while the master finalises it
-                continue
-            self.lookup(h, train=command == Command.LOOKUP_TRAIN)
+            else:
+                self.lookup(messages, train=command == Command.LOOKUP_TRAIN)
 
-    def lookup(self, headers: torch.Tensor, train: bool) -> None:
-        """Ids from every trainer -> one fused lookup -> the stage answers (and updates)."""
-        world, trainers = self.roles.world_size, self.roles.num_trainers
-        counts = [int(c) for c in headers[:, 2]] + [0] * (world - trainers)
-        batches = [int(b) for b in headers[:, 3]]
-        received = torch.empty(sum(counts), dtype=self.id_dtype)
-        t0 = time.perf_counter()
-        self.exchange.all_to_all(received, torch.zeros(0, dtype=self.id_dtype), counts, [0] * world)
-        self.timings["wait_s"] += time.perf_counter() - t0
-        # One fused lookup over all trainers' examples: slot k's bags are trainer 0's, then 1's...
-        per_trainer = []
-        pos = 0
-        slots = len(self.slots)
-        for t in range(trainers):
-            per_trainer.append(unpack_ids(received[pos : pos + counts[t]], batches[t], slots))
-            pos += counts[t]
+    def lookup(self, messages: list, train: bool) -> None:
+        """Ids from every trainer -> per chunk: the previous step's update of the chunk (exact),
+        one fused lookup over every trainer's examples, the stage answers; semi-sync updates after."""
+        batches = [m[2] for m in messages]
+        per_trainer = [unpack_ids(m[3], b, len(self.slots)) for m, b in zip(messages, batches, strict=True)]
+        if not train:
+            self._flush()
+        for k, (a, b) in enumerate(self.chunks or [(0, 0)]):
+            if not self.semi_sync:
+                self._flush(k)  # exact: this chunk's lookup sees the previous step's update
+            pooled = self._lookup_chunk(k, a, b, per_trainer, batches, train)
+            update = self.stage.respond(pooled, batches, train)
+            if self.semi_sync:
+                self._flush(k)  # the previous step's update runs after this lookup
+            if train:
+                self._pending[k] = self._after(update, a, b, per_trainer, last=k == len(self.chunks) - 1)
+        if train and self.eager:
+            self._flush()
+
+    def _lookup_chunk(self, k: int, a: int, b: int, per_trainer: list, batches: list[int], train: bool) -> torch.Tensor:
         total = sum(batches)
-        t1 = time.perf_counter()
-        if self.shard is not None and total > 0:
-            values = torch.cat([per_trainer[t][k][0] for k in range(slots) for t in range(trainers)])
-            lengths = torch.stack([torch.cat([per_trainer[t][k][1] for t in range(trainers)]) for k in range(slots)])
+        t0 = time.perf_counter()
+        if self.shards and total > 0:
+            # One fused lookup over all trainers' examples: slot j's bags are trainer 0's, then 1's...
+            values = torch.cat([ids[j][0] for j in range(a, b) for ids in per_trainer])
+            lengths = torch.stack([torch.cat([ids[j][1] for ids in per_trainer]) for j in range(a, b)])
             with torch.set_grad_enabled(train):
-                pooled = self.shard(SparseFeatures.from_lengths(values, lengths))  # [sum B_t, width]
+                pooled = self.shards[k](SparseFeatures.from_lengths(values, lengths))  # [sum B_r, width_k]
         else:
-            pooled = torch.zeros(total, self.width, requires_grad=train)
-        self.timings["lookup_s"] += time.perf_counter() - t1
-        self.stage.respond(pooled, batches, train)
-        if train:
-            self._after_update(per_trainer)
+            width = sum(p.dim for _, p in self.slots[a:b])
+            pooled = torch.zeros(total, width)
+        self.timings["lookup_s"] += time.perf_counter() - t0
+        return pooled
 
-    def _after_update(self, per_trainer: list) -> None:
-        self.steps += 1
-        if self.live is not None and self.shard is not None:
-            for k, p in enumerate(self.slot_piece):
-                self.live.mark(p, torch.cat([ids[k][0] for ids in per_trainer]).numpy())
-            self.live.maybe_push()
+    def _after(self, update: Update | None, a: int, b: int, per_trainer: list, last: bool) -> Update:
+        def run() -> None:
+            if update is not None:
+                update()
+            if self.live is not None and self.shards:
+                for j in range(a, b):
+                    self.live.mark(self.slot_piece[j], torch.cat([ids[j][0] for ids in per_trainer]).numpy())
+            if last:
+                self.steps += 1
+                if self.live is not None:
+                    self.live.maybe_push()
+
+        return run
+
+    def _flush(self, chunk: int | None = None) -> None:
+        """Run the update still pending of one chunk (None: of every chunk)."""
+        for k in range(len(self._pending)) if chunk is None else [chunk]:
+            pending, self._pending[k] = self._pending[k], None
+            if pending is not None:
+                pending()
 
     def start_live(self, version: str) -> None:
         """Push this server's changed rows to ``version``, which the master just published."""
@@ -208,7 +266,7 @@ class EmbeddingServer:
             store, version, [(p.table, p.row_start, p.rows) for p in self.pieces],
             lambda: [self.shard.table_weights()[n] for n in names], self.live_config.push_every_s,
         )
-        log.info("server %d pushes live updates to %s (version %s)", self.index, store.url, version)
+        log.info("server %d pushes live updates (version %s)", self.index, version)
 
     def save(self, step: int) -> None:
         directory = partial_dir(self.checkpoint_root, step)

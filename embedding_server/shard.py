@@ -182,6 +182,27 @@ class EmbeddingShard(nn.Module):
             kernel.step = int(state["step"])
 
 
+class ShardSet:
+    """Several shards one server holds side by side (its chunks), seen as one for checkpoints and
+    live updates: every table piece lives in exactly one of them."""
+
+    def __init__(self, shards: list[EmbeddingShard]) -> None:
+        self.shards = shards
+        self.local_tables = [t for shard in shards for t in shard.local_tables]
+        self.optimizer_config = shards[0].optimizer_config
+        self.kernel_name = shards[0].kernel_name
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        return {name: w for shard in self.shards for name, w in shard.table_weights().items()}
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        return {key: value for shard in self.shards for key, value in shard.export_state().items()}
+
+    def import_state(self, state: dict[str, torch.Tensor]) -> None:
+        for shard in self.shards:
+            shard.import_state(state)
+
+
 class InProcessEmbeddingClient(EmbeddingClient):
     """All tables in one :class:`EmbeddingShard` inside the trainer process.
 

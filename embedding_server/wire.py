@@ -88,22 +88,20 @@ def decode_ids(blob: bytes) -> np.ndarray:
 # -- the distributed step --------------------------------------------------------------------------
 #
 # Ranks 0..T-1 are trainers, T..T+E-1 embedding servers, all in one torch.distributed world.
-# One lookup is three all-to-alls on the world group (four when training):
+# Only trainer/server pairs exchange messages (``transport.py``), one message per pair and
+# direction and per step, each on its own channel:
 #
-#   1. headers   int64 [HEADER] from every rank to every rank: [command, arg, payload, batch]
-#                (trainer -> server: what to do and how many int64s of ids follow; all other
-#                pairs send zeros)
-#   2. ids       int32 (int64 for pieces of 2^31 rows or more), trainer -> server: per piece on
-#                that server, a one-hot flag, then values (one-hot) or lengths [B_t] and values
-#   3. pooled    float, server -> trainer: [B_t, sum of the server's piece dims], row-major
-#   4. grads     float, trainer -> server: the same layout as 3 (training only)
-#
-# Non-lookup commands (checkpoint, stop) are a header round alone.
+#   ids      trainer -> server, int32 (int64 for pieces of 2^31 rows or more):
+#            [command, arg, B_r, payload length] + payload; the payload has, per slot (feature,
+#            piece) on that server, a one-hot flag, then values (one-hot) or lengths [B_r] and
+#            values. Non-lookup commands (checkpoint, live start, stop) are a header alone.
+#   pooled   server -> trainer, float (the exchange dtype): [B_r, sum of the server's slot dims]
+#   grads    trainer -> server, the same layout (training lookups only)
 
 from enum import IntEnum  # noqa: E402
 
-HEADER = 4
-"""int64s per header: command, argument, payload length, local batch size."""
+ID_HEADER = 4
+"""Elements of an id message's header: command, argument, local batch size, payload length."""
 
 
 class Command(IntEnum):
@@ -117,6 +115,18 @@ class Command(IntEnum):
 
 EXCHANGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 """Pooled embeddings and their gradients may cross the wire compressed."""
+
+
+def id_message(command: Command, arg: int, batch: int, payload: torch.Tensor) -> torch.Tensor:
+    """The header folded into the id payload: one message."""
+    head = torch.tensor([int(command), arg, batch, payload.numel()], dtype=payload.dtype)
+    return torch.cat([head, payload])
+
+
+def parse_id_message(message: torch.Tensor) -> tuple[Command, int, int, torch.Tensor]:
+    """-> (command, argument, local batch size, payload)."""
+    head = message[:ID_HEADER].tolist()
+    return Command(head[0]), int(head[1]), int(head[2]), message[ID_HEADER : ID_HEADER + head[3]]
 
 
 def ids_dtype(max_rows: int) -> torch.dtype:

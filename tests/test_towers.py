@@ -97,7 +97,7 @@ def test_identity_towers_hierarchical_match_one_process(synth_small, tmp_path):
     features); with 2 emulated hosts, 2 servers per tower (the intra-tower exchange) and the
     hierarchical all-to-all, losses match one process."""
     over = {"train": {"log_step_losses": True, "max_steps": 40, "batch_size": 256}}
-    single = Trainer(tiny_config(**over), tmp_path / "single").fit(*files(synth_small))
+    single = Trainer(tiny_config(**over, data={"interleave": 2}), tmp_path / "single").fit(*files(synth_small))
     cfg = tiny_config(**over, dist={"embedding_servers": 4, "trainers": 2, "hosts": 2, "hierarchical": True,
                                     "towers": write_plan(tmp_path / "id.json", interleaved=True)})
     towers = launch_local(cfg, *files(synth_small), tmp_path / "towers", resume=False)

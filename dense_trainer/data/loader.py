@@ -44,6 +44,7 @@ class _Block:
     file_index: int
     offset: int
     line: int
+    number: int = 0  # the block's number in the epoch
     cursor: int = 0  # rows already put into batches
     cum: np.ndarray | None = None  # multi-hot: int64 [F, n + 1] bag offsets
     bad_reported: bool = False
@@ -79,6 +80,9 @@ class BatchLoader:
         start: where to start (a checkpoint's position); default the beginning.
         max_rows: stop after this many rows (0: no limit).
         pin_memory: pin batch tensors (for copies to CUDA).
+        part / parts: read only the blocks whose number is ``part`` modulo ``parts`` (trainer
+            ``part`` of ``parts``: together they parse every row once); the others are skipped
+            unparsed.
     """
 
     def __init__(
@@ -94,6 +98,8 @@ class BatchLoader:
         start: Position | None = None,
         max_rows: int = 0,
         pin_memory: bool = False,
+        part: int = 0,
+        parts: int = 1,
     ) -> None:
         self.files = [Path(f) for f in files]
         self.spec = spec
@@ -105,6 +111,7 @@ class BatchLoader:
         self.start = start or Position()
         self.max_rows = max_rows
         self.pin_memory = pin_memory
+        self.part, self.parts = part, parts
         self.bad_lines = BadLineLog(strict)
         self.stats = LoaderStats()
         self._reader = InputReader(spec, self.files)
@@ -166,17 +173,21 @@ class BatchLoader:
     def _parsed_blocks(self, pool: ThreadPoolExecutor | None, epoch: int) -> Iterator[_Block]:
         """Parsed blocks of one epoch, in file order, parsing up to 2 x workers ahead."""
         resume = self.start if epoch == self.start.epoch else Position(epoch=epoch)
-        in_flight: deque[tuple[Future | ParsedBlock, int, int, int, float]] = deque()
+        in_flight: deque[tuple[Future | ParsedBlock, int, int, int, float, int]] = deque()
         max_in_flight = max(1, 2 * self.num_workers)
         first = True
+        number = resume.block
         for fi in range(resume.file_index, len(self.files)):
             offset, line = (resume.block_offset, resume.block_line) if first else (0, 1)
             first = False
             for raw in self._reader.blocks(fi, self.block_bytes, offset, line):
                 if self._stop.is_set():
                     return
+                number += 1
+                if (number - 1) % self.parts != self.part:
+                    continue  # another trainer's block
                 job = pool.submit(self._timed_parse, raw) if pool else self._timed_parse(raw)
-                in_flight.append((job, raw.file_index, raw.offset, raw.line, len(raw.data)))
+                in_flight.append((job, raw.file_index, raw.offset, raw.line, len(raw.data), number - 1))
                 while len(in_flight) >= max_in_flight:
                     yield self._finish(in_flight.popleft())
         while in_flight:
@@ -188,12 +199,12 @@ class BatchLoader:
         return parsed, time.perf_counter() - t0
 
     def _finish(self, item) -> _Block:
-        job, fi, offset, line, nbytes = item
+        job, fi, offset, line, nbytes, number = item
         parsed, seconds = job.result() if isinstance(job, Future) else job
         self.stats.rows += parsed.num_rows
         self.stats.bytes += nbytes
         self.stats.parse_seconds += seconds
-        block = _Block(parsed, fi, offset, line)
+        block = _Block(parsed, fi, offset, line, number)
         if parsed.values is not None:
             block.cum = np.zeros((len(parsed.values), parsed.num_rows + 1), dtype=np.int64)
             np.cumsum(parsed.lengths, axis=1, out=block.cum[:, 1:])
@@ -261,7 +272,7 @@ class BatchLoader:
             if block.cursor == block.parsed.num_rows:
                 pending.popleft()
         last = parts[-1][0]
-        position = Position(epoch, last.file_index, last.offset, last.line, last.cursor)
+        position = Position(epoch, last.file_index, last.offset, last.line, last.cursor, last.number)
         return self._to_batch(parts, position), bad
 
     def _check_schema(self, block: _Block) -> None:

@@ -31,6 +31,7 @@ from embedding_server.planner import ShardingPlan
 from embedding_server.sharding import SCHEMES
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.module import TowerModule
+from embedding_server.transport import GRADS, POOLED
 
 
 class TowerClientStage:
@@ -55,20 +56,27 @@ class TowerClientStage:
             return flat_dims
         return [self.layout.out_dim] * self.layout.num_outputs
 
-    def assemble(self, received: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+    def messages(self, b: int) -> list[tuple[int, int]]:
+        """One message from each server running a tower module for this trainer."""
+        return [(s, b * w) for s, w in enumerate(self.recv_widths) if w]
+
+    def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
         """Per tower (= per server, in order) [B, c_t * D'] -> [B, C * D']."""
-        blocks = torch.split(received, [b * w for w in self.recv_widths])
-        out = torch.cat([blk.view(b, w) for blk, w in zip(blocks, self.recv_widths, strict=True) if w], dim=1)
+        widths = [w for w in self.recv_widths if w]
+        out = torch.cat([blk.view(b, w) for blk, w in zip(received, widths, strict=True)], dim=1)
         if self.in_table_order is not None:  # identity towers: the flat model's column order
-            out = out.view(b, -1, self.layout.dim)[:, self.in_table_order].reshape(b, -1)
+            n = len(self.in_table_order)
+            out = out.view(b, n, self.layout.dim)[:, self.in_table_order].reshape(b, n * self.layout.dim)
         return out
 
-    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> tuple[list, list[int]]:
-        """[B, C * D'] -> per tower, to the server running its module: (flat parts, elements per server)."""
+    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        """[B, C * D'] -> per tower, to the server running its module: (server, flat part)."""
         if self.in_table_order is not None:
-            grad = grad.view(b, -1, self.layout.dim)[:, self.layout.feature_order].reshape(b, -1)
+            n = len(self.layout.feature_order)
+            grad = grad.view(b, n, self.layout.dim)[:, self.layout.feature_order].reshape(b, n * self.layout.dim)
         blocks = torch.split(grad, [w for w in self.recv_widths if w], dim=1)
-        return [blk.reshape(-1) for blk in blocks], [b * w for w in self.recv_widths]
+        servers = [s for s, w in enumerate(self.recv_widths) if w]
+        return [(s, blk.reshape(-1)) for s, blk in zip(servers, blocks, strict=True)]
 
 
 class TowerServerStage:
@@ -112,10 +120,13 @@ class TowerServerStage:
 
     # -- one step -------------------------------------------------------------------------------
 
+    deferrable = False
+    """The module's step needs its gradients at once: a tower lookup ends with its update."""
+
     def respond(self, pooled: torch.Tensor, batches: list[int], train: bool) -> None:
         """pooled [sum_r B_r, width] (rows by trainer) -> tower module -> my trainers, and back."""
         s = self.server
-        world, trainers = s.roles.world_size, s.roles.num_trainers
+        trainers = s.roles.num_trainers
         mine = self.my_trainers
         b_mine = sum(batches[r] for r in mine)
         blocks, gathered, splits = self._gather_tower_features(pooled, batches, b_mine, train)
@@ -132,22 +143,27 @@ class TowerServerStage:
             z = torch.stack(feats, dim=1)  # [B_mine, F_t, D]
             out = self.module(z).reshape(b_mine, self.out_width)  # [B_mine, c_t * D']
         s.timings["tower_s"] += time.perf_counter() - t1
-        to_trainers = [batches[r] * self.out_width if r in mine else 0 for r in range(trainers)]
-        to_trainers += [0] * (world - trainers)
+        peers = list(range(trainers))
+        sizes = [batches[r] * self.out_width if r in mine else 0 for r in peers]
+        wire = out.detach().to(s.wire_dtype)
+        parts = iter(torch.split(wire, [batches[r] for r in mine]))
         t2 = time.perf_counter()
-        s.exchange.all_to_all(torch.empty(0, dtype=s.wire_dtype), out.detach().to(s.wire_dtype).reshape(-1),
-                              [0] * world, to_trainers)
+        sent = s.transport.send_floats(peers, [next(parts).reshape(-1) if r in mine else wire[:0].reshape(-1)
+                                               for r in peers], POOLED)
         if not train:
+            sent.wait()
             s.timings["wait_s"] += time.perf_counter() - t2
-            return
-        grads = torch.empty(b_mine * self.out_width, dtype=s.wire_dtype)
-        s.exchange.all_to_all(grads, torch.empty(0, dtype=s.wire_dtype), to_trainers, [0] * world)
+            return None
+        received = s.transport.recv_floats(peers, sizes, s.wire_dtype, GRADS).wait()
+        sent.wait()
+        grads = torch.cat([received[r] for r in mine]) if mine else torch.zeros(0, dtype=s.wire_dtype)
         s.timings["wait_s"] += time.perf_counter() - t2
         t3 = time.perf_counter()
         out.backward(grads.view(b_mine, self.out_width).float())  # through the module
         self._return_table_grads(pooled, gathered, splits)
         self._step_module()
         s.timings["update_s"] += time.perf_counter() - t3
+        return None
 
     def _gather_tower_features(self, pooled, batches, b_mine, train):
         """Every tower feature of my trainers' rows: per group server, [B_mine, width_s]."""
@@ -186,7 +202,7 @@ class TowerServerStage:
     def _count_remote(self, splits: list[int]) -> None:
         """fp32 elements this server sent to tower-mates on other hosts."""
         far = sum(n for n, remote in zip(splits, self.group_remote, strict=True) if remote)
-        self.server.exchange.stats["cross_host_bytes"] += 4 * far
+        self.server.transport.stats["cross_host_bytes"] += 4 * far
 
     def _step_module(self) -> None:
         """Sum the module's gradients over the tower's servers, then step its optimizer."""
@@ -199,7 +215,7 @@ class TowerServerStage:
             dist.all_reduce(flat, group=self.tower_group)
             if any(self.group_remote):  # a ring all-reduce sends 2 (m - 1) / m of the buffer
                 m = len(self.group_servers)
-                self.server.exchange.stats["cross_host_bytes"] += int(2 * (m - 1) / m * flat.numel() * 4)
+                self.server.transport.stats["cross_host_bytes"] += int(2 * (m - 1) / m * flat.numel() * 4)
             grads = torch.split(flat, [p.numel() for p in params])
         for p, g in zip(params, grads, strict=True):
             p.grad = g.view_as(p)
