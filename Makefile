@@ -13,7 +13,7 @@ TORCH_EXTRA := $(shell getent hosts download.pytorch.org >/dev/null 2>&1 && echo
 DEMO     ?= build/demo
 BENCH_VENV ?= .venv-bench
 
-.PHONY: setup demo test test-fast bench bench-env lint clean system-packages compose-data
+.PHONY: setup demo test test-fast bench bench-env lint clean system-packages compose-data compose-secrets
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ system-packages:
 	else echo "note: redis-server / docker-compose need root: sudo apt-get install redis-server docker-compose"; exit 0; fi; \
 	$$SUDO apt-get install -y -q redis-server docker-compose >/dev/null 2>&1 || { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q redis-server docker-compose >/dev/null; }; \
 	command -v redis-server >/dev/null && echo "installed $$(redis-server --version | cut -d' ' -f3), docker-compose $$(docker-compose version --short)"
+
+# Secrets for `docker compose -f docker/compose.yaml up` (docker/secrets/, kept when they exist).
+compose-secrets:
+	$(PYTHON) scripts/compose_secrets.py docker/secrets
 
 # Data for `docker compose -f docker/compose.yaml up` (mounted at /data).
 compose-data: setup

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_train_parser,
         add_worker_parser,
     )
-    from embedding_server.cli import add_publish_parser
+    from embedding_server.cli import add_publish_parser, add_store_parser
 
     parser = argparse.ArgumentParser(prog="dlrm", description="Disaggregated DLRM training and serving.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_towers_parser(sub)
     add_data_parser(sub)
     add_publish_parser(sub)
+    add_store_parser(sub)
     add_serve_parser(sub)
     return parser
 

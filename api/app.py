@@ -1,5 +1,7 @@
-"""The FastAPI application: routers, the lifespan (store and service opened and closed), error
-mapping (``errors.py``) and size limits (``middleware.py``)."""
+"""The FastAPI application: routers (V1, the Open Inference Protocol, health and metrics), the
+lifespan (store and service opened and closed), error mapping (``errors.py``), and the
+middleware, outermost first: request context (id, latency, access log, JSON 500), bearer keys
+(before anything is read), body size limit."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import torch
 from fastapi import FastAPI
 
 from api import openapi
+from api.auth import KeyRing, RequireKey
 from api.errors import register_error_handlers
 from api.metrics import ServingMetrics
-from api.middleware import BodyLimit, Observe
+from api.middleware import BodyLimit, RequestContext
 from api.router import router
 from api.service import ModelService
 from api.settings import Settings, get_settings
+from api.v2.router import router as v2_router
 from embedding_server.stores import ServingStore, open_store
 
 log = logging.getLogger(__name__)
@@ -25,6 +29,7 @@ def create_app(
     settings: Settings | None = None,
     store: ServingStore | None = None,
     service_factory: type[ModelService] = ModelService,
+    metrics: ServingMetrics | None = None,
 ) -> FastAPI:
     """Build the app.
 
@@ -32,15 +37,21 @@ def create_app(
         settings: default from the environment (``DLRM_*``).
         store: an open store (tests inject one); default opened from ``settings.store``.
         service_factory: the serving logic (benchmarks inject a baseline).
+        metrics: default: a registry of its own, or every worker's in multiprocess mode.
+
+    Raises:
+        ConfigError: an API key file cannot be read.
     """
     settings = settings or get_settings()
+    keys = KeyRing(settings.api_keys(), settings.api_key_file)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         torch.set_num_threads(settings.threads)
         own_store = store is None
-        the_store = open_store(settings.store, timeout_s=settings.store_timeout_s) if own_store else store
-        service = service_factory(the_store, settings, ServingMetrics())
+        the_store = store if store is not None else open_store(
+            settings.store, timeout_s=settings.store_timeout_s, password_file=settings.store_password_file)
+        service = service_factory(the_store, settings, metrics or ServingMetrics())
         app.state.service = service
         try:
             service.refresh()
@@ -57,14 +68,16 @@ def create_app(
     app = FastAPI(
         title="DLRM serving API",
         version="1",
-        summary="Scores recommendation examples with a published DLRM.",
+        summary="Scores recommendation examples with a published DLRM (KServe V1 and the Open Inference Protocol).",
         lifespan=lifespan,
     )
     app.state.settings = settings
-    app.state.api_key = settings.resolved_api_key()
     app.include_router(router)
+    app.include_router(v2_router)
     register_error_handlers(app, settings.retry_after_s)
-    openapi.install(app, settings.model_name)
+    openapi.install(app, settings.model_name, secured=keys.enabled)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(Observe)
+    app.add_middleware(RequireKey, keys=keys)
+    app.state.routes = openapi.route_table(app)
+    app.add_middleware(RequestContext, access_log=settings.access_log, templates=[p for p, _ in app.state.routes])
     return app

@@ -1,9 +1,17 @@
-"""``dlrm serve``: the REST endpoint on uvicorn."""
+"""``dlrm serve``: the REST endpoint on uvicorn.
+
+With several workers, Prometheus runs in multiprocess mode: a fresh directory (or
+``PROMETHEUS_MULTIPROC_DIR`` when set, emptied first) holds every worker's metric files, so
+``/metrics`` and readiness answer for all workers, whichever one a connection reaches.
+"""
 
 from __future__ import annotations
 
 import argparse
+import glob
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -11,48 +19,82 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a published model over HTTP",
-        description="Serve the current version of a serving store (FastAPI on uvicorn). Every "
+        description="Serve the current version of a serving store (FastAPI on uvicorn): KServe V1 "
+        "(/v1/models/NAME:predict) and the Open Inference Protocol (/v2/models/NAME/infer). Every "
         "option can also be set by its DLRM_* environment variable (see api/settings.py).",
     )
-    p.add_argument("--store", help="file://DIR or redis://[:password@]host:port/db (DLRM_STORE)")
+    p.add_argument("--store", help="file://DIR, redis://[user@]host:port/db or rediss://... (DLRM_STORE)")
+    p.add_argument("--store-password-file", type=Path, help="the store's password (DLRM_STORE_PASSWORD_FILE)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=int, default=1, help="worker processes (each has its own row cache)")
     p.add_argument("--model-name", help="served model name (DLRM_MODEL_NAME, default dlrm)")
     p.add_argument("--cache-mb", type=float, help="hot-row cache per worker (DLRM_CACHE_MB, default 256)")
     p.add_argument("--max-instances", type=int, help="largest batch per request (DLRM_MAX_INSTANCES, default 4096)")
-    p.add_argument("--api-key-file", type=Path, help="require this bearer key (DLRM_API_KEY_FILE or DLRM_API_KEY)")
+    p.add_argument("--api-key-file", type=Path,
+                   help="bearer keys, one per line, re-read on change (DLRM_API_KEY_FILE or DLRM_API_KEY)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
+                   help="one log line per request (DLRM_ACCESS_LOG, default on: ~20 µs/request)")
+    p.add_argument("--log-format", choices=["text", "json"], help="DLRM_LOG_FORMAT (default text)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve)
 
 
+def _metrics_dir(workers: int) -> tuple[str | None, bool]:
+    """(multiprocess directory or None, whether this command made it)."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if given:
+        os.makedirs(given, exist_ok=True)
+        for stale in glob.glob(os.path.join(given, "*.db")):  # a previous run's values would add up
+            os.remove(stale)
+        return given, False
+    if workers == 1:
+        return None, False
+    return tempfile.mkdtemp(prefix="dlrm-metrics-"), True
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from pydantic import ValidationError
 
+    from api.auth import KeyRing
     from api.settings import Settings
     from dlrm_core.errors import ConfigError
+    from dlrm_core.logs import logging_config
+    from dlrm_core.secrets import read_secret_file
 
     env = {
-        "DLRM_STORE": args.store,
-        "DLRM_MODEL_NAME": args.model_name,
-        "DLRM_CACHE_MB": args.cache_mb,
-        "DLRM_MAX_INSTANCES": args.max_instances,
-        "DLRM_API_KEY_FILE": args.api_key_file,
+        "DLRM_STORE": args.store, "DLRM_STORE_PASSWORD_FILE": args.store_password_file,
+        "DLRM_MODEL_NAME": args.model_name, "DLRM_CACHE_MB": args.cache_mb,
+        "DLRM_MAX_INSTANCES": args.max_instances, "DLRM_API_KEY_FILE": args.api_key_file,
+        "DLRM_ACCESS_LOG": None if args.access_log is None else str(args.access_log).lower(),
+        "DLRM_LOG_FORMAT": args.log_format,
     }
     for key, value in env.items():
         if value is not None:
             os.environ[key] = str(value)  # workers read their settings from the environment
-    try:
-        settings = Settings()
-        settings.resolved_api_key()
-    except (OSError, IndexError) as exc:
-        raise ConfigError(f"--api-key-file: cannot read a key ({exc})") from None
-    except ValueError as exc:
-        raise ConfigError(f"serving settings: {exc}") from None
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
-    uvicorn.run(
-        "api.main:app", host=args.host, port=args.port, workers=args.workers,
-        log_level=args.log_level, access_log=False,
-    )
+    try:
+        settings = Settings()
+    except ValidationError as exc:  # name the variable, never echo its value (it may be a secret)
+        first = exc.errors()[0]
+        name = "DLRM_" + "_".join(str(p) for p in first["loc"]).upper()
+        raise ConfigError(f"{name}: {first['msg']}") from None
+    KeyRing(settings.api_keys(), settings.api_key_file)  # a bad key file stops here, in one line
+    if settings.store_password_file is not None:
+        read_secret_file(settings.store_password_file, "store password file")
+    directory, made = _metrics_dir(args.workers)
+    if directory:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    os.environ["DLRM_WORKERS"] = str(args.workers)
+    try:
+        uvicorn.run(
+            "api.main:app", host=args.host, port=args.port, workers=args.workers, log_level=args.log_level,
+            access_log=False,  # our own (DLRM_ACCESS_LOG) carries the request id and route
+            log_config=logging_config(verbose=args.log_level == "debug", json_lines=settings.log_format == "json"),
+        )
+    finally:
+        if made:
+            shutil.rmtree(directory, ignore_errors=True)
     return 0

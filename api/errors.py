@@ -1,7 +1,11 @@
 """Errors of the serving API and their mapping to HTTP, in one place.
 
-Every error a client can cause is a 4xx JSON body ``{"error": ..., "field": ...}`` naming the
-field; an unavailable store is a 503 with Retry-After; nothing from a request is ever evaluated.
+Each protocol answers in its own error shape: V1 (``/v1/...`` and the server's own routes)
+``{"error": ..., "field": ...}`` naming the field; the Open Inference Protocol (``/v2/...``)
+``{"error": ...}``, the field named at the start of the message. Every error a client can cause
+is a 4xx; an unavailable store is a 503 with Retry-After; anything unexpected a JSON 500
+carrying the request id (its traceback is logged under that id). Nothing from a request is ever
+evaluated, nor echoed back.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dlrm_core.errors import DlrmError
-from embedding_server.stores import StoreUnavailable
+from embedding_server.stores import StoreUnavailable, VersionNotFound
 
 log = logging.getLogger(__name__)
 
@@ -29,22 +33,43 @@ class InputError(ValueError):
 
 
 class NotReady(RuntimeError):
-    """No model is loaded yet (nothing published, or the store unreachable at start)."""
+    """No model is loaded yet (nothing published, the store unreachable at start, or the served
+    version vanished and the current one is loading): 503, retry."""
 
 
 class ModelNotFound(LookupError):
-    """The request names a model this server does not serve (404)."""
+    """The request names a model (field ``name``) or a version (``version``) not served (404)."""
+
+    def __init__(self, message: str, field: str = "name") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Unauthorized(PermissionError):
     """Missing or wrong bearer key (401)."""
 
 
-def error_response(status: int, message: str, field: str | None = None, detail=None, headers=None) -> JSONResponse:
-    body = {"error": message, "field": field}
-    if detail is not None:
-        body["detail"] = detail
-    return JSONResponse(body, status_code=status, headers=headers)
+def protocol_of(path: str) -> str:
+    """``v2`` for the Open Inference Protocol's routes, else ``v1``."""
+    return "v2" if path == "/v2" or path.startswith("/v2/") else "v1"
+
+
+def error_body(path: str, message: str, field: str | None = None, detail=None, request_id: str | None = None) -> dict:
+    """The error body of the protocol that ``path`` belongs to."""
+    if protocol_of(path) == "v2":
+        body: dict = {"error": message}
+    else:
+        body = {"error": message, "field": field}
+        if detail is not None:
+            body["detail"] = detail
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def error_response(status: int, message: str, field: str | None = None, detail=None, headers=None,
+                   path: str = "/v1") -> JSONResponse:
+    return JSONResponse(error_body(path, message, field, detail), status_code=status, headers=headers)
 
 
 def _loc(loc) -> str:
@@ -54,8 +79,11 @@ def _loc(loc) -> str:
 
 
 def register_error_handlers(app: FastAPI, retry_after_s: int) -> None:
-    """Map every error to its HTTP answer."""
+    """Map every error to its HTTP answer, in the shape of the request's protocol."""
     retry = {"Retry-After": str(retry_after_s)}
+
+    def respond(request: Request, status: int, message: str, field=None, detail=None, headers=None):
+        return error_response(status, message, field, detail, headers, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
@@ -67,37 +95,42 @@ def register_error_handlers(app: FastAPI, retry_after_s: int) -> None:
             {"field": _loc(e.get("loc", ())) or "body", "msg": str(e.get("msg")), "type": str(e.get("type"))}
             for e in errors[:20]
         ]
-        return error_response(422, f"{field}: {first.get('msg')}", field, detail)
+        return respond(request, 422, f"{field}: {first.get('msg')}", field, detail)
 
     @app.exception_handler(InputError)
     async def on_input(request: Request, exc: InputError):
-        return error_response(422, str(exc), exc.field)
+        return respond(request, 422, str(exc), exc.field)
 
     @app.exception_handler(ModelNotFound)
     async def on_not_found(request: Request, exc: ModelNotFound):
-        return error_response(404, str(exc), "name")
+        return respond(request, 404, f"{exc.field}: {exc}", exc.field)
 
     @app.exception_handler(Unauthorized)
     async def on_unauthorized(request: Request, exc: Unauthorized):
-        return error_response(401, str(exc), "Authorization", headers={"WWW-Authenticate": "Bearer"})
+        return respond(request, 401, str(exc), "Authorization", headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(NotReady)
     async def on_not_ready(request: Request, exc: NotReady):
-        return error_response(503, str(exc), headers=retry)
+        return respond(request, 503, str(exc), headers=retry)
 
     @app.exception_handler(StoreUnavailable)
     async def on_store(request: Request, exc: StoreUnavailable):
         service = getattr(request.app.state, "service", None)
         if service is not None:
             service.metrics.store_errors.labels(operation="lookup").inc()
-        return error_response(503, "embedding store unavailable, retry later", headers=retry)
+        log.warning("store unavailable: %s", exc)  # the store's messages carry redacted URLs only
+        return respond(request, 503, "embedding store unavailable, retry later", headers=retry)
+
+    @app.exception_handler(VersionNotFound)
+    async def on_version_gone(request: Request, exc: VersionNotFound):
+        return respond(request, 503, f"version {exc.version} left the store; loading the current one", headers=retry)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         field = "body" if exc.status_code == 413 else None
-        return error_response(exc.status_code, str(exc.detail), field, headers=getattr(exc, "headers", None))
+        return respond(request, exc.status_code, str(exc.detail), field, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(DlrmError)
     async def on_dlrm(request: Request, exc: DlrmError):
         log.error("serving error: %s", exc)
-        return error_response(503, str(exc), headers=retry)
+        return respond(request, 503, str(exc), headers=retry)

@@ -77,15 +77,14 @@ def _rows(spec: FeatureSpec, instances: list) -> tuple[list[list], list[list]]:
     return dense_rows, cat_rows
 
 
-def instances_to_columns(spec: FeatureSpec, instances: list) -> tuple[dict[str, pa.Array], bool]:
-    """Validated instances -> (one arrow column per feature, whether any is a bag)."""
-    dense_rows, cat_rows = _rows(spec, instances)
+def columns_of(spec: FeatureSpec, dense: list[list], cats: list[list]) -> tuple[dict[str, pa.Array], bool]:
+    """Per feature (spec order) its values for every example -> (one arrow column per feature,
+    whether any is a bag). Dense values are numbers or None; categoricals as in ``_bag``."""
     columns: dict[str, pa.Array] = {}
-    for j, feat in enumerate(spec.dense):
-        columns[feat.name] = pa.array([row[j] for row in dense_rows], type=pa.float64())
+    for feat, values in zip(spec.dense, dense, strict=True):
+        columns[feat.name] = pa.array(values, type=pa.float64())
     any_bag = False
-    for j, feat in enumerate(spec.categorical):
-        values = [row[j] for row in cat_rows]
+    for feat, values in zip(spec.categorical, cats, strict=True):
         if feat.separator is not None or any(isinstance(v, list) for v in values):
             columns[feat.name] = pa.array([_bag(v, feat) for v in values], type=pa.list_(pa.string()))
             any_bag = True
@@ -94,16 +93,31 @@ def instances_to_columns(spec: FeatureSpec, instances: list) -> tuple[dict[str, 
     return columns, any_bag
 
 
-def featurize_instances(spec: FeatureSpec, featurizer: Featurizer, instances: list) -> ModelInputs:
-    """JSON instances -> model inputs; a bad value is a 422 naming ``instances.<i>.<feature>``."""
-    columns, any_bag = instances_to_columns(spec, instances)
-    n = len(instances)
-    parsed = featurizer(columns, n, np.arange(1, n + 1, dtype=np.int64), "instances",
+def instances_to_columns(spec: FeatureSpec, instances: list) -> tuple[dict[str, pa.Array], bool]:
+    """Validated instances -> (one arrow column per feature, whether any is a bag)."""
+    dense_rows, cat_rows = _rows(spec, instances)
+    dense = [[row[j] for row in dense_rows] for j in range(len(spec.dense))]
+    cats = [[row[j] for row in cat_rows] for j in range(len(spec.categorical))]
+    return columns_of(spec, dense, cats)
+
+
+def featurize_columns(featurizer: Featurizer, columns: dict[str, pa.Array], any_bag: bool, n: int,
+                      where) -> ModelInputs:
+    """Arrow columns of ``n`` examples -> model inputs; the first bad value is a 422 at the
+    field ``where(example index, feature name or None)`` names."""
+    parsed = featurizer(columns, n, np.arange(1, n + 1, dtype=np.int64), "request",
                         multi_hot=any_bag or featurizer.multi_hot)
     if parsed.bad:
         b = parsed.bad[0]
-        raise InputError(_field(spec, instances, b.line - 1, b.field), b.reason)
+        raise InputError(where(b.line - 1, b.field), b.reason)
     return parsed.model_inputs()
+
+
+def featurize_instances(spec: FeatureSpec, featurizer: Featurizer, instances: list) -> ModelInputs:
+    """JSON instances -> model inputs; a bad value is a 422 naming ``instances.<i>.<feature>``."""
+    columns, any_bag = instances_to_columns(spec, instances)
+    return featurize_columns(featurizer, columns, any_bag, len(instances),
+                             lambda i, feature: _field(spec, instances, i, feature))
 
 
 def _field(spec: FeatureSpec, instances: list, i: int, feature: str | None) -> str:

@@ -1,8 +1,11 @@
 """Row lookups of one request: per table, the distinct rows its features ask for go through the
 row cache, the misses of every table to the store in one round trip, the table's default row
-where the store lacks one; then each feature's bags are pooled as in training."""
+where the store lacks one (a row missing from a version the store still holds: a deleted version
+raises instead); then each feature's bags are pooled as in training."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -51,7 +54,11 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
     if cache is not None:
         metrics.cache_hits.inc(n_unique - n_need)
         metrics.cache_misses.inc(n_need)
-    fetched = store.get_rows_many(model.version, need) if need else {}
+    fetched = {}
+    if need:
+        t0 = time.perf_counter()
+        fetched = store.get_rows_many(model.version, need)  # raises VersionNotFound if it was deleted
+        metrics.store_latency.labels(operation="lookup").observe(time.perf_counter() - t0)
     for t in uniques:
         name = tables[t].name
         if name not in fetched:

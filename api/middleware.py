@@ -1,12 +1,32 @@
-"""Pure-ASGI middleware (no per-request task or body copy, unlike ``@app.middleware``)."""
+"""Pure-ASGI middleware (no per-request task or body copy, unlike ``@app.middleware``).
+
+``RequestContext`` is the outermost layer: the request id (``X-Request-ID``, accepted when sane,
+else generated; echoed on the response and on every log line of the request), the latency
+histogram by route template and status, the optional access log, and the last resort for
+unhandled errors (a JSON 500 carrying the request id; the traceback is logged under it).
+``BodyLimit`` rejects oversized bodies before they are read.
+"""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
+import uuid
 
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import compile_path
 
-from api.errors import error_response
+from api.errors import error_body
+from dlrm_core.logs import REQUEST_ID
+
+log = logging.getLogger(__name__)
+access = logging.getLogger("api.access")
+
+REQUEST_ID_HEADER = b"x-request-id"
+SANE_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
+"""An accepted client request id: at most 128 safe characters (never a log-injection vector)."""
 
 
 class BodyLimit:
@@ -21,7 +41,8 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await error_response(413, f"body of {int(length)} bytes, at most {self.limit}", "body")(scope, receive, send)
+            body = error_body(scope["path"], f"body of {int(length)} bytes, at most {self.limit}", "body")
+            return await JSONResponse(body, status_code=413)(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -36,32 +57,84 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-class Observe:
-    """Request latency by route and status into the Prometheus histogram (pure ASGI: no
-    per-request task or body copy, unlike ``@app.middleware``)."""
+def route_template(scope, patterns: list[tuple[re.Pattern, str]]) -> str:
+    """The matched route's path template (``/v1/models/{name}:predict``): a bounded label.
+    Requests answered before routing (401, 413) are matched against ``patterns``; unknown paths
+    are ``unmatched``, never the raw path."""
+    route = scope.get("route")
+    if route is not None:
+        return getattr(route, "path", "unmatched")
+    path = scope.get("path", "")
+    for regex, template in patterns:
+        if regex.match(path):
+            return template
+    return "unmatched"
 
-    def __init__(self, app) -> None:
+
+class RequestContext:
+    """Request id, latency histogram, access log and the JSON 500 of last resort.
+
+    Args:
+        access_log: log one line per request (method, route, path, status, ms, request id).
+        templates: every route's path template (to label requests answered before routing).
+    """
+
+    def __init__(self, app, access_log: bool = False, templates: list[str] | None = None) -> None:
         self.app = app
+        self.access_log = access_log
+        self.patterns = [(compile_path(t)[0], t) for t in dict.fromkeys(templates or [])]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
-        status = 500
+        rid = _request_id(scope.get("headers", []))
+        token = REQUEST_ID.set(rid)
+        status = 0
 
-        async def capture(message):
+        async def with_id(message):
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, rid.encode())]
             await send(message)
 
         try:
-            await self.app(scope, receive, capture)
+            await self.app(scope, receive, with_id)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), _printable(scope.get("path", "")))
+            if status == 0:  # nothing sent yet: answer properly
+                status = 500
+                body = error_body(scope["path"], "internal server error", request_id=rid)
+                await JSONResponse(body, status_code=500, headers={"X-Request-ID": rid})(scope, receive, send)
         finally:
-            app = scope.get("app")
-            service = getattr(app.state, "service", None) if app is not None else None
-            if service is not None:
-                route = scope.get("route")
-                service.metrics.latency.labels(endpoint=getattr(route, "path", "unmatched"), status=str(status)).observe(
-                    time.perf_counter() - t0
-                )
+            self._observe(scope, status or 500, time.perf_counter() - t0)
+            REQUEST_ID.reset(token)
+
+    def _observe(self, scope, status: int, seconds: float) -> None:
+        app = scope.get("app")
+        service = getattr(app.state, "service", None) if app is not None else None
+        route = route_template(scope, self.patterns)
+        if service is not None:
+            service.metrics.latency.labels(route=route, method=scope.get("method", ""), status=str(status)).observe(seconds)
+        if self.access_log:
+            path = _printable(scope.get("path", ""))
+            access.info("%s %s %d %.2fms", scope.get("method"), path, status, seconds * 1e3,
+                        extra={"fields": {"method": scope.get("method"), "route": route, "path": path,
+                                          "status": status, "ms": round(seconds * 1e3, 3)}})
+
+
+def _printable(path: str) -> str:
+    """A (percent-decoded) path as one safe line: control and non-ASCII characters escaped, so
+    that ``/x%0Aforged`` cannot forge a log line."""
+    return path.encode("unicode_escape").decode("ascii")[:512]
+
+
+def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    for name, value in headers:
+        if name == REQUEST_ID_HEADER:
+            text = value.decode("latin-1")
+            if SANE_ID.match(text):
+                return text
+            break
+    return uuid.uuid4().hex

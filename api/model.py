@@ -35,9 +35,11 @@ def warm_up(dense: torch.nn.Module, meta: ModelVersion) -> None:
 
 
 class ServingModel:
-    """One loaded version: metadata, dense network, default rows, row cache."""
+    """One loaded version: metadata, dense network, default rows, row cache, and where it stands
+    in the version's live updates (``cursor``, ``generation``)."""
 
-    def __init__(self, meta: ModelVersion, dense: torch.nn.Module, cache_bytes: float, remote: bool) -> None:
+    def __init__(self, meta: ModelVersion, dense: torch.nn.Module, cache_bytes: float, remote: bool,
+                 cursor: str | None = None, generation: int = 0) -> None:
         self.meta = meta
         self.version = meta.version
         self.spec: FeatureSpec = meta.spec
@@ -51,6 +53,10 @@ class ServingModel:
         self.featurizer = Featurizer(meta.spec, with_label=False)
         self.lines = LineParser(meta.spec) if meta.spec.columns else None
         """Parses lines in the model's input layout (None: the version does not record its columns)."""
+        self.cursor = cursor
+        """The store's live-update cursor of this version."""
+        self.generation = generation
+        """Live updates applied so far (the store numbers them per version; 0: none)."""
 
     def new_cache(self) -> RowCache:
         return RowCache([(t.name, t.rows, t.dim) for t in self.spec.tables], self.cache_bytes)

@@ -1,26 +1,36 @@
-"""HTTP endpoints only: parse, call the service, shape the response. Errors are mapped to HTTP
-in one place, ``api/app.py``."""
+"""HTTP endpoints of the V1 protocol (KServe V1 / TF-Serving style) and the server's own routes
+(health, readiness, metrics): parse, call the service, shape the response. The Open Inference
+Protocol's endpoints are in ``api/v2/router.py``; authentication is a middleware
+(``api/auth.py``); errors are mapped in one place (``api/errors.py``)."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from api.errors import NotReady, Unauthorized
+from api.errors import NotReady
 from api.schemas import ErrorBody, ModelInfo, PredictRequest, PredictResponse
-from api.service import ModelService
+from api.service import ModelService, Scored
 
 ERRORS = {
     401: {"model": ErrorBody, "description": "Missing or wrong bearer API key"},
-    404: {"model": ErrorBody, "description": "Unknown model name"},
+    404: {"model": ErrorBody, "description": "Unknown model name, or a version the store does not hold"},
     413: {"model": ErrorBody, "description": "Request body or batch too large"},
     422: {"model": ErrorBody, "description": "Invalid request: the error names the field"},
     503: {"model": ErrorBody, "description": "No model loaded, or the store is unavailable (see Retry-After)"},
+}
+TSV_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+        "description": "One example per line, in the layout of the model's training files (TSV for "
+        "Criteo, CSV lines for a CSV model, without the header), with or without the label column; "
+        "empty = missing.",
+    }
 }
 
 
@@ -28,56 +38,54 @@ def get_service(request: Request) -> ModelService:
     return request.app.state.service
 
 
-def require_api_key(request: Request) -> None:
-    expected = request.app.state.api_key
-    if expected is None:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise Unauthorized("missing or wrong bearer API key")
-
-
 ServiceDep = Annotated[ModelService, Depends(get_service)]
 
 
+def _response(scored: Scored) -> PredictResponse:
+    return PredictResponse(predictions=scored.predictions, model_version=scored.version,
+                           model_generation=scored.generation)
+
+
 router = APIRouter()
-models = APIRouter(prefix="/v1/models", dependencies=[Depends(require_api_key)], responses=ERRORS)
+models = APIRouter(prefix="/v1/models", responses=ERRORS, tags=["V1 (KServe V1)"])
 
 
-@models.post("/{name}:predict", response_model=PredictResponse, summary="Score instances")
+@models.get("", summary="The served models")
+def list_models(service: ServiceDep) -> dict:
+    return {"models": [service.settings.model_name]}
+
+
+@models.post("/{name}:predict", response_model=PredictResponse, summary="Score instances (the current version)")
 def predict(name: str, body: PredictRequest, service: ServiceDep) -> PredictResponse:
-    predictions, version = service.predict(name, body.instances)
-    return PredictResponse(predictions=predictions, model_version=version)
+    return _response(service.predict(name, body.instances))
 
 
-@models.post(
-    "/{name}:predict_tsv",
-    response_model=PredictResponse,
-    summary="Score lines in the model's input format",
-    openapi_extra={
-        "requestBody": {
-            "required": True,
-            "content": {"text/plain": {"schema": {"type": "string"}}},
-            "description": "One example per line, in the layout of the model's training files (TSV for "
-            "Criteo, CSV lines for a CSV model, without the header), with or without the label column; "
-            "empty = missing.",
-        }
-    },
-)
+@models.post("/{name}/versions/{version}:predict", response_model=PredictResponse,
+             summary="Score instances with a pinned version")
+def predict_version(name: str, version: str, body: PredictRequest, service: ServiceDep) -> PredictResponse:
+    return _response(service.predict(name, body.instances, version))
+
+
+@models.post("/{name}:predict_tsv", response_model=PredictResponse, openapi_extra=TSV_BODY,
+             summary="Score lines in the model's input format")
 async def predict_tsv(name: str, request: Request, service: ServiceDep) -> PredictResponse:
     text = await request.body()
-    predictions, version = await run_in_threadpool(service.predict_tsv, name, text)  # off the event loop
-    return PredictResponse(predictions=predictions, model_version=version)
+    return _response(await run_in_threadpool(service.predict_tsv, name, text))  # off the event loop
 
 
-@models.get("/{name}", response_model=ModelInfo, summary="The served version and its feature spec")
-def model_info(name: str, service: ServiceDep) -> ModelInfo:
-    service.check_name(name)
-    model = service.current()
+@models.post("/{name}/versions/{version}:predict_tsv", response_model=PredictResponse, openapi_extra=TSV_BODY,
+             summary="Score lines with a pinned version")
+async def predict_tsv_version(name: str, version: str, request: Request, service: ServiceDep) -> PredictResponse:
+    text = await request.body()
+    return _response(await run_in_threadpool(service.predict_tsv, name, text, version))
+
+
+def _info(service: ModelService, name: str, version: str | None) -> ModelInfo:
+    model = service.resolve(name, version)
     meta = model.meta
     return ModelInfo(
-        name=name, model_version=meta.version, published_at=meta.created_at, step=meta.step,
+        name=name, model_version=meta.version, model_generation=model.generation, store=service.store.url,
+        versions=service.store.list_versions(), published_at=meta.created_at, step=meta.step,
         row_dtype=meta.row_dtype, format=meta.spec.format, dense_features=meta.spec.dense_names,
         sparse_features=meta.spec.sparse_names,
         features=[f.model_dump(exclude_none=True) for f in [*meta.spec.dense, *meta.spec.categorical]],
@@ -85,22 +93,37 @@ def model_info(name: str, service: ServiceDep) -> ModelInfo:
     )
 
 
-@router.get("/healthz", summary="Liveness: the process answers")
+@models.get("/{name}", response_model=ModelInfo, summary="The served version and its feature spec")
+def model_info(name: str, service: ServiceDep) -> ModelInfo:
+    return _info(service, name, None)
+
+
+@models.get("/{name}/versions/{version}", response_model=ModelInfo, summary="A pinned version and its feature spec")
+def version_info(name: str, version: str, service: ServiceDep) -> ModelInfo:
+    return _info(service, name, version)
+
+
+@router.get("/healthz", summary="Liveness: the process answers", tags=["health"])
 def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Readiness: a model is loaded", responses={503: ERRORS[503]})
+@router.get("/readyz", summary="Readiness: every worker has a model loaded", responses={503: ERRORS[503]},
+            tags=["health"])
 def readyz(service: ServiceDep) -> dict:
     model = service.model
     if model is None:
         raise NotReady("no model loaded yet")
-    return {"status": "ready", "model_version": model.version}
+    ready, workers = service.metrics.workers_ready()
+    if ready < workers:
+        raise NotReady(f"{ready} of {workers} workers have a model loaded")
+    return {"status": "ready", "model_version": model.version, "workers": workers}
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+@router.get("/metrics", summary="Prometheus metrics (every worker)", response_class=PlainTextResponse,
+            tags=["metrics"])
 def metrics(service: ServiceDep) -> Response:
-    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 router.include_router(models)

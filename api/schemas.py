@@ -1,6 +1,7 @@
-"""Request and response bodies of the serving API (pydantic), in the TF-Serving / KServe V1 style.
+"""Request and response bodies of the serving API (pydantic), in the TF-Serving / KServe V1 style
+(the Open Inference Protocol's are in ``api/v2/protocol.py``).
 
-``POST /v1/models/{name}:predict`` takes ``{"instances": [...]}``; an instance is either
+``POST /v1/models/{name}:predict`` (or ``/v1/models/{name}/versions/{v}:predict``) takes ``{"instances": [...]}``; an instance is either
 
 * named by feature: ``{"site_id": "1fbe01fe", "hour": 14102100, "tags": ["a", "b"], "price": 3.5}``
   (absent names are missing values), or
@@ -67,10 +68,15 @@ class PredictRequest(BaseModel):
 
 
 class PredictResponse(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
     predictions: list[float]
     """Click probability of each instance, in order."""
     model_version: str
     """The version that scored them."""
+    model_generation: int = 0
+    """Live updates that version had received when the request started (0: none; a live
+    training run pushes rows and dense weights, each push one generation)."""
 
 
 class ModelInfo(BaseModel):
@@ -78,6 +84,13 @@ class ModelInfo(BaseModel):
 
     name: str
     model_version: str
+    model_generation: int = 0
+    """Live updates applied to the version so far."""
+    store: str
+    """The serving store, its password redacted."""
+    versions: list[str]
+    """Complete versions the store holds (oldest first): any can be pinned with
+    ``/v1/models/{name}/versions/{v}:predict``."""
     published_at: float
     """Unix time the version was published."""
     step: int

@@ -21,7 +21,7 @@ from api.settings import Settings  # noqa: E402
 
 
 class NaiveService(ModelService):
-    def _load(self, version: str) -> None:
+    def load(self, version: str):
         root = Path(self.store.root) / "versions" / version / "tables"
         self.bags = {
             t.name: torch.nn.EmbeddingBag.from_pretrained(
@@ -29,7 +29,7 @@ class NaiveService(ModelService):
             )
             for t in self.store.read_meta(version).spec.tables
         }
-        super()._load(version)
+        return super().load(version)
 
     def embed(self, model, ids, offsets, batch):
         out = []

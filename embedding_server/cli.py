@@ -1,4 +1,5 @@
-"""``dlrm publish``: export a checkpoint to a serving store."""
+"""``dlrm publish`` (a checkpoint becomes a serving version) and ``dlrm store`` (list,
+promote and collect the versions of a serving store)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ from pathlib import Path
 
 from dlrm_core.env import fill_from_env, wait_until
 from dlrm_core.errors import ConfigError
+from dlrm_core.secrets import redact_url
 
 log = logging.getLogger(__name__)
+
+STORE_HELP = "file://DIR, redis://[user@]host:port/db or rediss://... (TLS); password in --store-password-file"
+
+
+def _add_store_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", metavar="URL", help=STORE_HELP)
+    p.add_argument("--store-password-file", type=Path, metavar="FILE",
+                   help="file holding the store's password (DLRM_STORE_PASSWORD_FILE)")
 
 def add_publish_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -22,7 +32,7 @@ def add_publish_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--checkpoint", type=Path, metavar="DIR",
                    help="a checkpoint, a checkpoints directory, or a `dlrm train --out` directory (latest)")
-    p.add_argument("--store", metavar="URL", help="file://DIR or redis://[:password@]host:port/db")
+    _add_store_options(p)
     p.add_argument("--version", help="version name (default: step<N>-<date>-<time>)")
     p.add_argument("--row-dtype", choices=["fp32", "fp16"], default="fp32", help="storage type of the rows")
     p.add_argument("--keep", type=int, default=None, metavar="N", help="versions kept in the store (default 3)")
@@ -39,7 +49,7 @@ def run_publish(args: argparse.Namespace) -> int:
     keep = 3 if args.keep is None else args.keep
     if keep < 1:
         raise ConfigError("--keep must be at least 1")
-    store = open_store(args.store, keep_versions=keep)
+    store = open_store(args.store, keep_versions=keep, password_file=args.store_password_file)
     if args.wait:
         deadline = time.monotonic() + args.wait
         wait_until(lambda: (Path(args.checkpoint) / "metrics.json").exists() or (Path(args.checkpoint) / "manifest.json").exists(),
@@ -52,11 +62,59 @@ def run_publish(args: argparse.Namespace) -> int:
             except StoreUnavailable:
                 return False
 
-        wait_until(store_answers, deadline, f"the store {args.store}")
+        wait_until(store_answers, deadline, f"the store {store.url}")
     try:
         meta = publish_checkpoint(args.checkpoint, store, args.version, args.row_dtype)
     finally:
         store.close()
-    print(json.dumps({"version": meta.version, "step": meta.step, "store": args.store,
+    print(json.dumps({"version": meta.version, "step": meta.step, "store": redact_url(args.store),
                       "tables": len(meta.spec.tables), "row_dtype": meta.row_dtype}))
+    return 0
+
+
+def add_store_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "store",
+        help="list, promote (roll back) and collect the versions of a serving store",
+        description="Manage the versions of a serving store. `list` prints one JSON line per complete "
+        "version (oldest first, the current one marked); `promote VERSION` makes a complete version "
+        "current, atomically (a rollback when it is older; serving replicas switch within their poll "
+        "interval); `gc --keep N` deletes all but the newest N versions, never the current one.",
+    )
+    p.add_argument("action", choices=["list", "promote", "gc"])
+    p.add_argument("version", nargs="?", help="promote: the version to make current")
+    _add_store_options(p)
+    p.add_argument("--keep", type=int, default=None, metavar="N", help="gc: versions kept (default 3)")
+    p.set_defaults(func=run_store, parser=p)
+
+
+def run_store(args: argparse.Namespace) -> int:
+    from embedding_server.stores import open_store
+
+    fill_from_env(args.parser, args, ["store"])
+    if args.action == "promote" and not args.version:
+        raise ConfigError("store promote: name the VERSION to make current (see `dlrm store list`)")
+    if args.action != "promote" and args.version:
+        raise ConfigError(f"store {args.action}: takes no VERSION")
+    keep = 3 if args.keep is None else args.keep
+    if keep < 1:
+        raise ConfigError("--keep must be at least 1")
+    store = open_store(args.store, password_file=args.store_password_file)
+    try:
+        if args.action == "list":
+            current = store.current_version()
+            for meta in store.describe():
+                print(json.dumps({"version": meta.version, "current": meta.version == current, "step": meta.step,
+                                  "published_at": meta.created_at, "row_dtype": meta.row_dtype,
+                                  "tables": len(meta.spec.tables)}))
+        elif args.action == "promote":
+            before = store.current_version()
+            store.promote(args.version)
+            log.info("%s: current version %s -> %s", store.url, before, args.version)
+            print(json.dumps({"current": args.version, "previous": before, "store": store.url}))
+        else:
+            deleted = store.collect_garbage(keep=keep)
+            print(json.dumps({"deleted": deleted, "kept": store.list_versions(), "store": store.url}))
+    finally:
+        store.close()
     return 0

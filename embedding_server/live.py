@@ -5,7 +5,9 @@ marks the rows a training step touched (one byte per row, vectorised), and every
 ``push_every_s`` copies them (between steps: each push is a consistent snapshot) and hands them
 to a background thread, which writes them into the published version and appends them to the
 store's update stream, so that serving replicas drop them from their caches. A failed push is
-merged into the next one; training never waits for the store beyond a bounded queue.
+merged into the next one; training never waits for the store beyond a bounded queue. A version
+that was deleted meanwhile (collected after newer publishes) is never written again: the store
+refuses the update atomically, and the pusher stops (``gone``), logging it once.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from embedding_server.stores import ServingStore
+from embedding_server.stores import ServingStore, VersionNotFound
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ class LivePusher:
         self.push_every_s = push_every_s
         self.dirty = [np.zeros(rows, dtype=bool) for _, _, rows in pieces]
         self.pushes = self.rows_pushed = self.failures = 0
+        self.gone = False
+        """The version was deleted from the store: nothing more is pushed."""
         self._queue: queue.Queue = queue.Queue(maxsize=4)
         self._retry: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._last = time.monotonic()
@@ -64,6 +68,8 @@ class LivePusher:
 
     @torch.no_grad()
     def push_rows(self) -> None:
+        if self.gone:
+            return
         weights = self.weights()
         updates = {}
         for i, (table, start, _) in enumerate(self.pieces):
@@ -76,6 +82,8 @@ class LivePusher:
             self._queue.put(("rows", updates))
 
     def push_dense(self, state: dict[str, torch.Tensor]) -> None:
+        if self.gone:
+            return
         self._queue.put(("dense", {k: v.detach().cpu().clone() for k, v in state.items()}))
 
     def close(self) -> None:
@@ -87,6 +95,8 @@ class LivePusher:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             kind, payload = item
+            if self.gone:
+                continue
             try:
                 if kind == "rows":
                     for table, (ids, rows) in self._retry.items():  # merge a failed push
@@ -101,6 +111,10 @@ class LivePusher:
                 else:
                     self.store.update_dense(self.version, payload)
                 self.pushes += 1
+            except VersionNotFound:
+                self.gone, self._retry = True, {}
+                log.warning("live updates stop: version %s is no longer in %s (collected or deleted)",
+                            self.version, self.store.url)
             except Exception as exc:
                 self.failures += 1
                 if kind == "rows":

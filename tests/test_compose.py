@@ -38,6 +38,17 @@ def active_services(profile: str = "cpu") -> dict:
     return {name: s for name, s in services.items() if profile in s.get("profiles", [profile])}
 
 
+def test_compose_publishes_only_the_api_and_mounts_secrets():
+    services = active_services()
+    assert [name for name, s in services.items() if s.get("ports")] == ["api"]
+    env = services["api"]["environment"]
+    assert env["DLRM_STORE"].startswith("redis://dlrm-api@") and env["DLRM_API_KEY_FILE"].startswith("/run/secrets/")
+    for name, s in services.items():  # no password in any URL or variable, only files
+        for value in (s.get("environment") or {}).values():
+            assert ":" not in str(value).split("@")[0].removeprefix("redis://"), (name, value)
+    assert "--aclfile" in services["redis"]["command"]
+
+
 def test_compose_cluster_in_network_namespaces(synth_small, tmp_path):
     why_not = netns.available()
     if why_not is not None:
@@ -46,7 +57,13 @@ def test_compose_cluster_in_network_namespaces(synth_small, tmp_path):
     assert {"redis", "embedding-server-0", "embedding-server-1", "trainer-0", "trainer-1", "publish", "api"} <= set(services)
     run_dir = tmp_path / "var-lib-dlrm"
     run_dir.mkdir()
-    mounts = {"/data": str(synth_small), "/var/lib/dlrm": str(run_dir), "/opt/dlrm/configs": str(REPO / "configs")}
+    sys.path.insert(0, str(REPO / "scripts"))
+    from compose_secrets import make
+
+    made = make(tmp_path / "secrets")  # what `make compose-secrets` writes to docker/secrets/
+    declared = yaml.safe_load(COMPOSE.read_text())["secrets"]
+    mounts = {"/data": str(synth_small), "/var/lib/dlrm": str(run_dir), "/opt/dlrm/configs": str(REPO / "configs"),
+              **{f"/run/secrets/{name}": str(made[spec["file"].rsplit("/", 1)[1]]) for name, spec in declared.items()}}
 
     def host_path(value: str) -> str:
         for inside, outside in mounts.items():
@@ -56,8 +73,8 @@ def test_compose_cluster_in_network_namespaces(synth_small, tmp_path):
     def argv(name: str) -> list[str]:
         command = services[name]["command"]
         if name == "redis":  # the image's entrypoint adds --protected-mode no; data in a tmp dir
-            return [shutil.which("redis-server") or pytest.skip("redis-server missing"), *command[1:],
-                    "--protected-mode", "no", "--dir", str(tmp_path)]
+            return [shutil.which("redis-server") or pytest.skip("redis-server missing"),
+                    *(host_path(c) for c in command[1:]), "--protected-mode", "no", "--dir", str(tmp_path)]
         return [sys.executable, str(REPO / "dlrm_cli.py"), *command]  # the image's ENTRYPOINT is `dlrm`
 
     def env(name: str) -> dict:
@@ -85,7 +102,10 @@ def test_compose_cluster_in_network_namespaces(synth_small, tmp_path):
             for name in ["trainer-0", "trainer-1", "embedding-server-0", "embedding-server-1", "publish"]:
                 assert procs[name].wait(timeout=300) == 0, f"{name} failed:\n{log_of(name)}"
             assert "waiting for the master" in log_of("embedding-server-1")  # it started first and waited
-            client = hosts.command(names.index("client"), [sys.executable, "-c", CLIENT, str(synth_small / "test.txt")])
+            key = (tmp_path / "secrets" / "api-keys").read_text().split()[0]
+            reader_pw = (tmp_path / "secrets" / "api-store-password").read_text().split()[0]
+            client = hosts.command(names.index("client"), [sys.executable, "-c", CLIENT, str(synth_small / "test.txt"),
+                                                           key, reader_pw])
             r = subprocess.run(client, capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, r.stdout + r.stderr + "\napi log:\n" + log_of("api")
             print(r.stdout)
@@ -119,7 +139,26 @@ while True:  # bounded wait until the API has loaded the published model
 lines = open(sys.argv[1]).read().splitlines()[:3]
 req = urllib.request.Request(base + "/v1/models/dlrm:predict_tsv", data="\n".join(lines).encode(),
                              headers={"content-type": "text/plain"})
+try:
+    urllib.request.urlopen(req, timeout=10)
+    sys.exit("answered without a key")
+except urllib.error.HTTPError as exc:
+    assert exc.code == 401, exc.code
+req.add_header("Authorization", "Bearer " + sys.argv[2])
 body = json.loads(urllib.request.urlopen(req, timeout=10).read())
+import redis
+try:  # Redis: no password-less user; the API's user only reads
+    redis.Redis(host="redis", socket_timeout=3).get("dlrm:current")
+    sys.exit("redis answered without a password")
+except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError):
+    pass
+reader = redis.Redis(host="redis", username="dlrm-api", password=sys.argv[3], socket_timeout=3)
+assert reader.get("dlrm:current") is not None
+try:
+    reader.set("dlrm:current", "x")
+    sys.exit("the API's redis user could write")
+except redis.exceptions.NoPermissionError:
+    pass
 assert len(body["predictions"]) == 3, body
 print(json.dumps(body))
 """

@@ -96,6 +96,19 @@ def test_served_named_instances_reproduce_offline_auc(backend, table, tmp_path, 
         r = client.post("/v1/models/dlrm:predict_tsv", content="\n".join(lines))
         assert r.status_code == 200, r.text
         np.testing.assert_allclose(r.json()["predictions"], scores[:50], atol=1e-5)
+        # The Open Inference Protocol: one BYTES / FP64 tensor per feature, multi-hot cells as the
+        # file holds them (values joined by the separator): the V1 scores.
+        with open(table / "test.csv", newline="") as f:
+            rows = list(csv.DictReader(f))[:50]
+        inputs = [{"name": feat.name, "shape": [50], "datatype": "FP64",
+                   "data": [float(row[feat.column or feat.name]) if row[feat.column or feat.name] else None for row in rows]}
+                  for feat in meta.spec.dense]
+        inputs += [{"name": feat.name, "shape": [50, 1], "datatype": "BYTES",
+                    "data": [[row[feat.column or feat.name]] for row in rows]} for feat in meta.spec.categorical]
+        assert any(feat.separator for feat in meta.spec.categorical)
+        r = client.post("/v2/models/dlrm/infer", json={"inputs": inputs})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(r.json()["outputs"][0]["data"], scores[:50], atol=1e-6)
         doc = client.get("/openapi.json").json()
         named = doc["components"]["schemas"]["NamedInstance"]["properties"]
         assert set(named) == {f.name for f in [*meta.spec.dense, *meta.spec.categorical]}

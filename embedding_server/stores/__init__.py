@@ -1,29 +1,41 @@
 """Serving stores: one interface (:class:`ServingStore`), two backends chosen by URL.
 
 * ``file://DIR``: the embedded default; memory-mapped per-table arrays plus JSON metadata.
-* ``redis://[:password@]host:port/db``: rows as binary blobs in hashes, pipelined multi-gets,
-  a model registry, live row updates through a stream.
+* ``redis://[user[:password]@]host:port/db`` (``rediss://`` for TLS): rows as binary blobs in
+  hashes, pipelined multi-gets, a model registry, live row updates through a stream.
+
+The password is best kept out of the URL: ``password_file`` (``--store-password-file``, or the
+``DLRM_STORE_PASSWORD_FILE`` variable, which every process that opens a store reads) holds it.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from urllib.parse import urlparse
 
 from dlrm_core.errors import ConfigError
+from dlrm_core.secrets import read_secret_file, redact_url
 from embedding_server.stores.base import (
     ServingStore,
     StoreUnavailable,
     UpdateBatch,
+    VersionNotFound,
     VersionWriter,
 )
 
+PASSWORD_FILE_ENV = "DLRM_STORE_PASSWORD_FILE"
 
-def open_store(url: str, keep_versions: int = 3, timeout_s: float = 1.0) -> ServingStore:
-    """Open the store at ``url`` (``file://DIR``, a bare path, or ``redis://...``).
+
+def open_store(
+    url: str, keep_versions: int = 3, timeout_s: float = 1.0, password_file: str | Path | None = None
+) -> ServingStore:
+    """Open the store at ``url`` (``file://DIR``, a bare path, ``redis://...`` or ``rediss://...``).
 
     Args:
         keep_versions: versions kept when a new one is published.
         timeout_s: socket timeout of every call to a remote store.
+        password_file: file holding the store's password (default: ``$DLRM_STORE_PASSWORD_FILE``).
     """
     parsed = urlparse(url)
     if parsed.scheme in ("file", ""):
@@ -36,8 +48,11 @@ def open_store(url: str, keep_versions: int = 3, timeout_s: float = 1.0) -> Serv
     if parsed.scheme in ("redis", "rediss", "unix"):
         from embedding_server.stores.redis_store import RedisStore
 
-        return RedisStore(url, keep_versions=keep_versions, timeout_s=timeout_s)
-    raise ConfigError(f"store URL {url!r}: unknown scheme {parsed.scheme!r} (use file://DIR or redis://host:port/db)")
+        password_file = password_file or os.environ.get(PASSWORD_FILE_ENV) or None
+        password = read_secret_file(password_file, "store password file") if password_file else None
+        return RedisStore(url, keep_versions=keep_versions, timeout_s=timeout_s, password=password)
+    raise ConfigError(f"store URL {redact_url(url)}: unknown scheme {parsed.scheme!r} "
+                      "(use file://DIR, redis://host:port/db or rediss://host:port/db)")
 
 
-__all__ = ["ServingStore", "StoreUnavailable", "UpdateBatch", "VersionWriter", "open_store"]
+__all__ = ["ServingStore", "StoreUnavailable", "UpdateBatch", "VersionNotFound", "VersionWriter", "open_store"]

@@ -1,14 +1,25 @@
-"""The serving-store interface: versions, rows, dense weights, live updates."""
+"""The serving-store interface: versions, rows, dense weights, live updates.
+
+Versions: a store holds complete versions and names one of them *current*; ``promote`` moves
+current to another complete version (a rollback, atomic), ``collect_garbage`` deletes old ones
+(never the current one). A version deleted while a reader still uses it is never mistaken for
+rows that are merely missing: reads of a deleted version raise :class:`VersionNotFound`.
+
+Live updates: each write to a published version (rows, dense weights) is one *generation*,
+numbered 1, 2, ... per version by the store; readers follow them with ``poll_updates`` and learn
+when some were lost (``UpdateBatch.lost``: reload the version).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from dlrm_core.errors import DlrmError
+from dlrm_core.errors import ConfigError, DlrmError
 from embedding_server.wire import ModelVersion
 
 
@@ -17,7 +28,11 @@ class StoreUnavailable(DlrmError):
 
 
 class VersionNotFound(DlrmError):
-    """The store has no such version (or no current one)."""
+    """The store has no such version (never published, collected, or being deleted)."""
+
+    def __init__(self, message: str, version: str = "") -> None:
+        super().__init__(message)
+        self.version = version
 
 
 @dataclass
@@ -26,15 +41,20 @@ class UpdateBatch:
 
     Attributes:
         cursor: pass back to the next ``poll_updates``.
+        generation: live updates applied to the version up to this batch (0: none yet).
         rows: table -> row ids rewritten since the cursor.
         dense_changed: the dense weights were replaced.
-        reset: the reader fell too far behind: drop every cached row.
+        lost: updates since the cursor were dropped (a trimmed update stream): the reader
+            cannot know which rows changed and must reload the version.
+        written_at: Unix time the oldest update of the batch was written (None: no update).
     """
 
     cursor: str
+    generation: int = 0
     rows: dict[str, np.ndarray] = field(default_factory=dict)
     dense_changed: bool = False
-    reset: bool = False
+    lost: bool = False
+    written_at: float | None = None
 
 
 class VersionWriter(ABC):
@@ -71,6 +91,8 @@ class ServingStore(ABC):
 
     remote: bool = False
     """Whether reads cross the network (a per-process row cache pays off)."""
+    url: str = ""
+    """Where the store is, for messages: redacted (no password), safe to log or show."""
 
     def __init__(self, keep_versions: int = 3) -> None:
         self.keep_versions = keep_versions
@@ -88,7 +110,20 @@ class ServingStore(ABC):
         """Complete versions, oldest first."""
 
     @abstractmethod
-    def delete_version(self, version: str) -> None: ...
+    def delete_version(self, version: str) -> None:
+        """Delete a version that is not current (refused for the current one: ConfigError)."""
+
+    @abstractmethod
+    def promote(self, version: str) -> None:
+        """Make a complete version current, atomically (a rollback when it is older).
+
+        Raises:
+            VersionNotFound: the store has no complete version of that name.
+        """
+
+    def describe(self) -> list[ModelVersion]:
+        """Metadata of the complete versions, oldest first."""
+        return [self.read_meta(v) for v in self.list_versions()]
 
     # -- reading ------------------------------------------------------------------------------------
     @abstractmethod
@@ -119,18 +154,31 @@ class ServingStore(ABC):
 
     @abstractmethod
     def poll_updates(self, version: str, cursor: str | None) -> UpdateBatch:
-        """Changes since ``cursor`` (None: start from now, nothing to report)."""
+        """Changes since ``cursor`` (None: start from now, nothing to report; the batch's
+        generation is the version's current one).
 
-    def collect_garbage(self, current: str) -> list[str]:
-        """Delete versions older than the newest ``keep_versions`` (never ``current``)."""
+        Raises:
+            VersionNotFound: the version was deleted.
+        """
+
+    def collect_garbage(self, current: str | None = None, keep: int | None = None) -> list[str]:
+        """Delete all but the newest ``keep`` (default ``keep_versions``) complete versions,
+        never the current one; -> the deleted versions."""
+        keep = self.keep_versions if keep is None else keep
+        current = self.current_version() if current is None else current
         versions = self.list_versions()
-        old = [v for v in versions[: max(0, len(versions) - self.keep_versions)] if v != current]
+        old = [v for v in versions[: max(0, len(versions) - keep)] if v != current]
+        deleted = []
         for v in old:
-            self.delete_version(v)
-        return old
+            try:
+                self.delete_version(v)
+                deleted.append(v)
+            except ConfigError:  # promoted meanwhile: it is current now, keep it
+                pass
+        return deleted
 
-    def release(self, keep: str) -> None:  # noqa: B027 (optional)
-        """Drop what is held open for versions other than ``keep`` (memory maps)."""
+    def release(self, keep: Collection[str]) -> None:  # noqa: B027 (optional)
+        """Drop what is held open for versions other than those in ``keep`` (memory maps)."""
 
     def exists(self, version: str) -> bool:
         return version in self.list_versions()

@@ -1,23 +1,30 @@
 """``file://DIR``: the embedded serving store. No server needed.
 
     DIR/CURRENT                          name of the current version (replaced atomically)
+    DIR/.lock                            flock held while CURRENT moves or a version is deleted
     DIR/versions/<v>/meta.json           ModelVersion
     DIR/versions/<v>/dense.pt            dense weights (loaded with weights_only)
     DIR/versions/<v>/tables/<name>.npy   rows, float32 or float16 [rows, D], memory-mapped
+    DIR/versions/<v>/GENERATION          live updates written to the version so far
 
 A version is written under ``DIR/versions/.tmp-*`` and renamed into place when complete, and only
 then does CURRENT move: readers never see a partial version, and a crash mid-publish leaves the
 previous version serving. Readers memory-map the tables (the OS page cache is the row cache), so
-live row updates written into the same mapping are visible at once.
+live row updates written into the same mapping are visible at once. A deleted version is first
+renamed out of ``versions/`` (under the lock, so that it cannot become current meanwhile), so a
+live update never writes into a version being deleted.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +88,8 @@ class FileVersionWriter(VersionWriter):
             shutil.rmtree(final)
         os.replace(self.tmp, final)
         fsync_dir(self.store.versions_dir)
-        atomic_write_bytes(self.store.root / "CURRENT", self.meta.version.encode())
+        with self.store.locked():
+            atomic_write_bytes(self.store.root / "CURRENT", self.meta.version.encode())
         self.store.collect_garbage(self.meta.version)
 
     def abort(self) -> None:
@@ -100,10 +108,21 @@ class FileStore(ServingStore):
         self._maps: dict[tuple[str, str], np.ndarray] = {}
         self._lock = threading.Lock()
 
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """The store-wide lock (flock, so across processes): CURRENT, deletions, generations."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "a+") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
     def _vdir(self, version: str) -> Path:
         path = self.versions_dir / check_version_name(version)
         if not (path / "meta.json").exists():
-            raise VersionNotFound(f"{self.url} has no version {version!r}")
+            raise VersionNotFound(f"{self.url} has no version {version!r}", version)
         return path
 
     def current_version(self) -> str | None:
@@ -122,10 +141,23 @@ class FileStore(ServingStore):
         return [p.name for p in sorted(done, key=lambda p: (p / "meta.json").stat().st_mtime)]
 
     def delete_version(self, version: str) -> None:
+        path = self.versions_dir / check_version_name(version)
+        with self.locked():
+            if self.current_version() == version:
+                raise ConfigError(f"{self.url}: {version!r} is the current version; promote another first")
+            if not path.exists():
+                return
+            doomed = self.versions_dir / f".deleting-{version}-{os.getpid()}"
+            os.replace(path, doomed)  # gone for readers and live updates at once
         with self._lock:
             for key in [k for k in self._maps if k[0] == version]:
                 del self._maps[key]
-        shutil.rmtree(self.versions_dir / check_version_name(version), ignore_errors=True)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def promote(self, version: str) -> None:
+        with self.locked():
+            self._vdir(version)  # complete (meta.json is written last) and not being deleted
+            atomic_write_bytes(self.root / "CURRENT", version.encode())
 
     def read_dense(self, version: str) -> dict[str, torch.Tensor]:
         return decode_state((self._vdir(version) / "dense.pt").read_bytes())
@@ -144,6 +176,7 @@ class FileStore(ServingStore):
         return arr
 
     def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # A mapping outlives the deletion of its file: the rows read are the version's own.
         arr = self._map(version, table)
         return np.asarray(arr[ids], dtype=np.float32), np.ones(len(ids), dtype=bool)
 
@@ -153,23 +186,50 @@ class FileStore(ServingStore):
             raise ConfigError(f"{self.url} already has a version {meta.version!r}: publish under a new name")
         return FileVersionWriter(self, meta)
 
-    def release(self, keep: str) -> None:
+    def release(self, keep: Collection[str]) -> None:
+        keep = {keep} if isinstance(keep, str) else set(keep)
         with self._lock:
-            for key in [k for k in self._maps if k[0] != keep]:
+            for key in [k for k in self._maps if k[0] not in keep]:
                 del self._maps[key]
 
+    # -- live updates: written under the lock, so never into a version being deleted ---------------
+    def _generation(self, vdir: Path) -> int:
+        try:
+            return int((vdir / "GENERATION").read_text() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def _bump(self, vdir: Path) -> None:
+        atomic_write_bytes(vdir / "GENERATION", str(self._generation(vdir) + 1).encode())
+
     def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
-        meta = self.read_meta(version)
-        for table, (ids, rows) in updates.items():
-            arr = self._map(version, table, writable=True)
-            arr[ids] = encode_rows(rows, meta.row_dtype)
-            arr.flush()
+        with self.locked():
+            vdir = self._vdir(version)
+            meta = self.read_meta(version)
+            for table, (ids, rows) in updates.items():
+                arr = self._map(version, table, writable=True)
+                arr[ids] = encode_rows(rows, meta.row_dtype)
+                arr.flush()
+            self._bump(vdir)
 
     def update_dense(self, version: str, state: dict[str, torch.Tensor]) -> None:
-        atomic_write_bytes(self._vdir(version) / "dense.pt", encode_state(state))
+        with self.locked():
+            vdir = self._vdir(version)
+            atomic_write_bytes(vdir / "dense.pt", encode_state(state))
+            self._bump(vdir)
 
     def poll_updates(self, version: str, cursor: str | None) -> UpdateBatch:
         # Rows need no invalidation (readers map the very pages the writer updates); the dense
-        # weights changed when dense.pt did.
-        stamp = str((self._vdir(version) / "dense.pt").stat().st_mtime_ns)
-        return UpdateBatch(cursor=stamp, dense_changed=cursor is not None and cursor != stamp)
+        # weights changed when dense.pt did. Cursor: "<generation>:<dense.pt mtime>".
+        vdir = self._vdir(version)
+        try:
+            stamp = str((vdir / "dense.pt").stat().st_mtime_ns)
+        except FileNotFoundError:
+            raise VersionNotFound(f"{self.url}: version {version!r} was deleted", version) from None
+        generation = self._generation(vdir)
+        dense_changed = cursor is not None and cursor.partition(":")[2] != stamp
+        written_at = None
+        if cursor is not None and cursor.partition(":")[0] != str(generation):
+            written_at = (vdir / "GENERATION").stat().st_mtime  # (the newest write: a lower bound)
+        return UpdateBatch(cursor=f"{generation}:{stamp}", generation=generation, dense_changed=dense_changed,
+                           written_at=written_at)

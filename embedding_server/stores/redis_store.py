@@ -1,4 +1,5 @@
-"""``redis://[:password@]host:port/db``: the cluster serving store (HugeCTR's in-memory tier).
+"""``redis://[user:password@]host:port/db`` (``rediss://`` for TLS): the cluster serving store
+(HugeCTR's in-memory tier).
 
 Keys (``P`` is the prefix, default ``dlrm``):
 
@@ -8,11 +9,18 @@ Keys (``P`` is the prefix, default ``dlrm``):
     P:v:<v>:meta                   ModelVersion (JSON)
     P:v:<v>:dense                  dense weights (torch.save bytes, loaded with weights_only)
     P:v:<v>:t:<table>:<part>       hash: row id (decimal) -> row bytes (fp32/fp16), 1M rows a part
-    P:v:<v>:updates                stream of live updates: {t: table, ids: int64 bytes} or {dense: 1}
+    P:v:<v>:gen                    live updates written to the version so far (its generation)
+    P:v:<v>:updates                stream of live updates: {g: generation, t:<table>: int64 ids
+                                   bytes, ...} or {g, dense: 1}
 
-Lookups of all tables of a request go out as one pipeline of HMGETs (one round trip); hiredis
-parses the replies. Every call has a socket timeout: an unreachable Redis raises
-:class:`StoreUnavailable` quickly instead of hanging a request.
+Lookups of all tables of a request go out as one pipeline of HMGETs (one round trip) that ends
+by checking the version still exists; hiredis parses the replies. Promotion, deletion and live
+updates are server-side scripts (``redis_scripts.py``). Every call has a socket timeout: an
+unreachable Redis raises :class:`StoreUnavailable` quickly instead of hanging a request. Only
+the redacted URL ever appears in a message.
+
+Serving replicas need read commands only (GET, HMGET, EXISTS, ZRANGE, XREAD, XRANGE,
+XREVRANGE, MULTI/EXEC): give them an ACL user without write access (docker/compose.yaml).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from dlrm_core.errors import ConfigError
+from dlrm_core.secrets import redact_url, scrub, url_password
 from embedding_server.stores.base import (
     ServingStore,
     StoreUnavailable,
@@ -39,6 +48,7 @@ from embedding_server.stores.base import (
     VersionWriter,
 )
 from embedding_server.stores.file_store import check_version_name
+from embedding_server.stores.redis_scripts import FORGET, PROMOTE, UPDATE_DENSE, UPDATE_ROWS
 from embedding_server.wire import (
     NUMPY_DTYPE,
     ModelVersion,
@@ -56,8 +66,10 @@ PART_BITS = 20
 PIPELINE_BYTES = 4 << 20
 """Flush a write pipeline after this many bytes of rows (bounds publisher memory)."""
 LEASE_S = 600
+BULK_TIMEOUT_S = 30.0
+"""Socket timeout of bulk writes (a 4 MB pipeline to a busy server); reads keep the store's own."""
 UPDATES_MAXLEN = 20_000
-"""Live-update stream entries kept; a reader further behind drops its whole cache."""
+"""Live-update stream entries kept; a reader further behind reloads its version."""
 
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
@@ -77,7 +89,7 @@ class RedisVersionWriter(VersionWriter):
     def __init__(self, store: RedisStore, meta: ModelVersion) -> None:
         self.store = store
         self.meta = meta
-        self._pipe = store.client.pipeline(transaction=False)
+        self._pipe = store.bulk.pipeline(transaction=False)
         self._bytes = 0
         v = meta.version
         with store.errors():  # the lease first: a concurrent collector must not take it for dead
@@ -126,7 +138,8 @@ class RedisStore(ServingStore):
     remote = True
 
     def __init__(
-        self, url: str, keep_versions: int = 3, prefix: str = "dlrm", timeout_s: float = 1.0
+        self, url: str, keep_versions: int = 3, prefix: str = "dlrm", timeout_s: float = 1.0,
+        password: str | None = None,
     ) -> None:
         super().__init__(keep_versions)
         # An optional ?prefix=NAME keeps several models (or tests) apart in one database.
@@ -134,18 +147,27 @@ class RedisStore(ServingStore):
         query = parse_qs(parts.query)
         prefix = query.pop("prefix", [prefix])[0]
         url = urlunsplit(parts._replace(query=urlencode(query, doseq=True)))
-        self.url = url
+        self.url = redact_url(url)
         self.prefix = prefix
+        self._secrets = [url_password(url), password]
+        if password is not None and url_password(url):
+            raise ConfigError(f"store URL {self.url}: a password is in the URL and in a password file; give it once")
+        extra = {"password": password} if password is not None else {}
         try:
             # No client-side retries: a failed call fails fast (the API answers 503 at once and
             # the next call reconnects), instead of stalling requests for seconds of backoff.
-            self.client = redis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                health_check_interval=30, decode_responses=False, retry=Retry(NoBackoff(), 0),
-            )
-        except ValueError as exc:
-            raise ConfigError(f"store URL {url!r}: {exc}") from None
+            # Bulk writes (publishing, live updates, deleting a version) move megabytes per round
+            # trip: their own connections wait up to BULK_TIMEOUT_S.
+            self.client, self.bulk = (redis.Redis.from_url(
+                url, socket_timeout=t, socket_connect_timeout=timeout_s,
+                health_check_interval=30, decode_responses=False, retry=Retry(NoBackoff(), 0), **extra,
+            ) for t in (timeout_s, max(timeout_s, BULK_TIMEOUT_S)))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"store URL {self.url}: {scrub(str(exc), self._secrets)}") from None
         self._meta_cache: dict[str, ModelVersion] = {}
+        self._scripts = {name: client.register_script(src) for name, src, client in (
+            ("PROMOTE", PROMOTE, self.client), ("FORGET", FORGET, self.client),
+            ("UPDATE_ROWS", UPDATE_ROWS, self.bulk), ("UPDATE_DENSE", UPDATE_DENSE, self.bulk))}
 
     # -- helpers ------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -156,17 +178,25 @@ class RedisStore(ServingStore):
 
     @contextmanager
     def errors(self) -> Iterator[None]:
-        """Turn connection failures into :class:`StoreUnavailable`."""
+        """Turn connection failures into :class:`StoreUnavailable` (messages redacted)."""
         try:
             yield
         except redis.exceptions.AuthenticationError as exc:
-            raise StoreUnavailable(f"redis store {self.url}: authentication failed ({exc})") from exc
+            raise StoreUnavailable(f"redis store {self.url}: authentication failed "
+                                   f"({scrub(str(exc), self._secrets)})") from None
+        except redis.exceptions.NoPermissionError as exc:
+            raise StoreUnavailable(f"redis store {self.url}: permission denied "
+                                   f"({scrub(str(exc), self._secrets)})") from None
         except REDIS_ERRORS as exc:
-            raise StoreUnavailable(f"redis store {self.url} unavailable: {exc}") from exc
+            raise StoreUnavailable(f"redis store {self.url} unavailable: {scrub(str(exc), self._secrets)}") from None
 
     def ping(self) -> None:
         with self.errors():
             self.client.ping()
+
+    def _gone(self, version: str) -> VersionNotFound:
+        self._meta_cache.pop(version, None)
+        return VersionNotFound(f"{self.url} has no version {version!r} (deleted, or never published)", version)
 
     # -- registry ------------------------------------------------------------------------------------
     def current_version(self) -> str | None:
@@ -181,7 +211,7 @@ class RedisStore(ServingStore):
         with self.errors():
             raw = self.client.get(self.key("v", version, "meta"))
         if raw is None:
-            raise VersionNotFound(f"{self.url} has no version {version!r}")
+            raise self._gone(version)
         meta = ModelVersion.model_validate_json(raw)
         self._meta_cache[version] = meta
         return meta
@@ -190,22 +220,42 @@ class RedisStore(ServingStore):
         with self.errors():
             return [v.decode() for v in self.client.zrange(self.key("versions"), 0, -1)]
 
+    def exists(self, version: str) -> bool:
+        with self.errors():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.zscore(self.key("versions"), version)
+            pipe.exists(self.key("v", version, "meta"))
+            score, meta = pipe.execute()
+        return score is not None and bool(meta)
+
+    def promote(self, version: str) -> None:
+        check_version_name(version)
+        with self.errors():
+            done = self._scripts["PROMOTE"](
+                keys=[self.key("current"), self.key("versions"), self.key("v", version, "meta")], args=[version])
+        if not done:
+            raise VersionNotFound(f"{self.url} has no complete version {version!r}", version)
+
     def delete_version(self, version: str) -> None:
         with self.errors():
+            forgotten = self._scripts["FORGET"](
+                keys=[self.key("current"), self.key("versions"), self.key("incomplete"),
+                      self.key("v", version, "meta"), self.key("v", version, "gen")], args=[version])
+        if not forgotten:
+            raise ConfigError(f"{self.url}: {version!r} is the current version; promote another first")
+        self._meta_cache.pop(version, None)
+        with self.errors():  # gone for everyone already; now the bulk of its keys
             batch = []
-            for key in self.client.scan_iter(match=self.key("v", version, "*"), count=1000):
+            for key in self.bulk.scan_iter(match=self.key("v", version, "*"), count=1000):
                 batch.append(key)
                 if len(batch) >= 500:
-                    self.client.unlink(*batch)
+                    self.bulk.unlink(*batch)
                     batch = []
             if batch:
-                self.client.unlink(*batch)
-            self.client.zrem(self.key("versions"), version)
-            self.client.srem(self.key("incomplete"), version)
-        self._meta_cache.pop(version, None)
+                self.bulk.unlink(*batch)
 
-    def collect_garbage(self, current: str) -> list[str]:
-        removed = super().collect_garbage(current)
+    def collect_garbage(self, current: str | None = None, keep: int | None = None) -> list[str]:
+        removed = super().collect_garbage(current, keep)
         with self.errors():
             stale = [v.decode() for v in self.client.smembers(self.key("incomplete"))]
             stale = [v for v in stale if not self.client.exists(self.key("writing", v))]
@@ -218,7 +268,7 @@ class RedisStore(ServingStore):
         with self.errors():
             raw = self.client.get(self.key("v", version, "dense"))
         if raw is None:
-            raise VersionNotFound(f"{self.url}: version {version!r} has no dense weights")
+            raise self._gone(version)
         return decode_state(raw)
 
     def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -227,7 +277,13 @@ class RedisStore(ServingStore):
     def get_rows_many(
         self, version: str, requests: dict[str, np.ndarray]
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Rows of several tables in one pipelined round trip."""
+        """Rows of several tables in one pipelined round trip.
+
+        Raises:
+            VersionNotFound: the version was deleted (checked after the reads, in the same
+                round trip: deletion removes the meta first, so rows read while it still
+                exists are the version's own, and a missing row is never a deleted one).
+        """
         meta = self.read_meta(version)
         dims = {t.name: t.dim for t in meta.spec.tables}
         pipe = self.client.pipeline(transaction=False)
@@ -238,8 +294,11 @@ class RedisStore(ServingStore):
                 sel = np.flatnonzero(parts == part)
                 pipe.hmget(self.rows_key(version, table, int(part)), [b"%d" % i for i in ids[sel]])
                 plan.append((table, sel))
+        pipe.exists(self.key("v", version, "meta"))
         with self.errors():
-            replies = pipe.execute()
+            *replies, alive = pipe.execute()
+        if not alive:
+            raise self._gone(version)
         out = {}
         dtype = NUMPY_DTYPE[meta.row_dtype]
         for table, ids in requests.items():
@@ -263,49 +322,78 @@ class RedisStore(ServingStore):
         return RedisVersionWriter(self, meta)
 
     # -- live updates --------------------------------------------------------------------------------
+    def _live_keys(self, version: str) -> list[str]:
+        return [self.key("v", version, "meta"), self.key("v", version, "gen"), self.key("v", version, "updates")]
+
     def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """One generation: every table's rows and the stream entry naming them, atomically, and
+        only while the version exists (never recreating keys of a deleted one)."""
         meta = self.read_meta(version)
-        pipe = self.client.pipeline(transaction=False)
-        stream = self.key("v", version, "updates")
+        entry = [item for table, (ids, _) in updates.items() for item in (f"t:{table}".encode(), encode_ids(ids))]
+        keys, args = self._live_keys(version), [UPDATES_MAXLEN, len(entry) // 2, *entry]
         for table, (ids, rows) in updates.items():
             for part, mapping in rows_by_part(ids, rows, meta.row_dtype).items():
-                pipe.hset(self.rows_key(version, table, part), mapping=mapping)
-            pipe.xadd(stream, {b"t": table.encode(), b"ids": encode_ids(ids)}, maxlen=UPDATES_MAXLEN, approximate=True)
+                keys.append(self.rows_key(version, table, part))
+                args.append(len(mapping))
+                args.extend(item for pair in mapping.items() for item in pair)
         with self.errors():
-            pipe.execute()
+            generation = self._scripts["UPDATE_ROWS"](keys=keys, args=args)
+        if generation < 0:
+            raise self._gone(version)
 
     def update_dense(self, version: str, state: dict[str, torch.Tensor]) -> None:
         with self.errors():
-            pipe = self.client.pipeline(transaction=True)
-            pipe.set(self.key("v", version, "dense"), encode_state(state))
-            pipe.xadd(self.key("v", version, "updates"), {b"dense": b"1"}, maxlen=UPDATES_MAXLEN, approximate=True)
-            pipe.execute()
+            generation = self._scripts["UPDATE_DENSE"](
+                keys=[*self._live_keys(version), self.key("v", version, "dense")],
+                args=[UPDATES_MAXLEN, encode_state(state)])
+        if generation < 0:
+            raise self._gone(version)
 
     def poll_updates(self, version: str, cursor: str | None) -> UpdateBatch:
-        stream = self.key("v", version, "updates")
+        """Cursor ``"<generation>:<stream id>"``. Entries carry their generation, so a gap (the
+        stream was trimmed past entries this reader had not seen) is noticed: ``lost``."""
+        meta_key, gen_key, stream = self._live_keys(version)
+        seen, _, after = (cursor or "0:0-0").partition(":")
         with self.errors():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.exists(meta_key)
+            pipe.get(gen_key)
             if cursor is None:
-                last = self.client.xrevrange(stream, count=1)
-                return UpdateBatch(cursor=last[0][0].decode() if last else "0-0")
-            first = self.client.xrange(stream, count=1)
-            reset = bool(first) and cursor != "0-0" and _stream_id(first[0][0].decode()) > _stream_id(cursor)
-            entries = self.client.xread({stream: cursor}, count=10_000) or []
-        batch = UpdateBatch(cursor=cursor, reset=reset)
-        rows: dict[str, list[np.ndarray]] = defaultdict(list)
-        for _name, items in entries:
-            for entry_id, fields in items:
-                batch.cursor = entry_id.decode()
-                if b"dense" in fields:
-                    batch.dense_changed = True
-                else:
-                    rows[fields[b"t"].decode()].append(decode_ids(fields[b"ids"]))
-        batch.rows = {t: np.unique(np.concatenate(v)) for t, v in rows.items()}
-        return batch
+                pipe.xrevrange(stream, count=1)
+            else:
+                pipe.xread({stream: after}, count=10_000)
+            alive, generation, entries = pipe.execute()
+        if not alive:
+            raise self._gone(version)
+        generation = int(generation or 0)
+        if cursor is None:
+            last = entries[0][0].decode() if entries else "0-0"
+            return UpdateBatch(cursor=f"{generation}:{last}", generation=generation)
+        return _batch(entries, int(seen), after, generation)
 
     def close(self) -> None:
         self.client.close()
+        self.bulk.close()
 
 
-def _stream_id(text: str) -> tuple[int, int]:
-    ms, _, seq = text.partition("-")
-    return int(ms), int(seq or 0)
+def _batch(entries, seen: int, after: str, generation: int) -> UpdateBatch:
+    """Stream entries after generation ``seen`` -> what changed, or ``lost`` on a gap."""
+    items = [item for _name, stream_items in (entries or []) for item in stream_items]
+    batch = UpdateBatch(cursor=f"{seen}:{after}", generation=seen)
+    rows: dict[str, list[np.ndarray]] = defaultdict(list)
+    for entry_id, fields in items:
+        g = int(fields.get(b"g", -1))
+        if g != batch.generation + 1:  # a gap, or an entry without a generation
+            return UpdateBatch(cursor=f"{generation}:{items[-1][0].decode()}", generation=generation, lost=True)
+        batch.generation, batch.cursor = g, f"{g}:{entry_id.decode()}"
+        if batch.written_at is None:  # a stream id starts with the server's time in ms
+            batch.written_at = int(entry_id.split(b"-")[0]) / 1000
+        for name, value in fields.items():
+            if name == b"dense":
+                batch.dense_changed = True
+            elif name.startswith(b"t:"):
+                rows[name[2:].decode()].append(decode_ids(value))
+    if not items and generation > seen:  # every entry after ours was trimmed
+        return UpdateBatch(cursor=f"{generation}:{after}", generation=generation, lost=True)
+    batch.rows = {t: np.unique(np.concatenate(v)) for t, v in rows.items()}
+    return batch

@@ -1,0 +1,145 @@
+"""HTTP endpoints of the Open Inference Protocol: parse, call the service, shape the response.
+
+The infer body is read here (not by FastAPI) because the binary extension sends JSON followed by
+raw bytes; the JSON part is validated by the same pydantic model either way.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as package_metadata
+
+from fastapi import APIRouter, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from api.errors import InputError, NotReady
+from api.router import ERRORS, ServiceDep
+from api.service import ModelService
+from api.v2 import binary
+from api.v2.protocol import (
+    OUTPUT,
+    InferOutput,
+    InferRequest,
+    InferResponse,
+    ModelMetadata,
+    ServerMetadata,
+    TensorMetadata,
+)
+from api.v2.tensors import input_metadata, tensors_to_inputs
+
+router = APIRouter(prefix="/v2", responses=ERRORS, tags=["V2 (Open Inference Protocol)"])
+INFER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/InferRequest"}},
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        "description": "An inference request; with the binary extension, its JSON (of "
+        "Inference-Header-Content-Length bytes) followed by the tensors' raw bytes.",
+    }
+}
+
+
+def _version() -> str:
+    try:
+        return package_metadata.version("dlrm-disagg")
+    except package_metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+@router.get("", response_model=ServerMetadata, summary="Server metadata")
+def server_metadata() -> ServerMetadata:
+    return ServerMetadata(name="dlrm-disagg", version=_version(), extensions=["binary_tensor_data"])
+
+
+@router.get("/health/live", summary="Liveness (no key needed)", tags=["health"])
+def live() -> dict:
+    return {"live": True}
+
+
+@router.get("/health/ready", summary="Readiness: every worker has a model (no key needed)", tags=["health"])
+def ready(service: ServiceDep) -> dict:
+    if service.model is None:
+        raise NotReady("no model loaded yet")
+    loaded, workers = service.metrics.workers_ready()
+    if loaded < workers:
+        raise NotReady(f"{loaded} of {workers} workers have a model loaded")
+    return {"ready": True}
+
+
+def _metadata(service: ModelService, name: str, version: str | None) -> ModelMetadata:
+    model = service.resolve(name, version)
+    return ModelMetadata(name=name, versions=service.store.list_versions(), platform="pytorch_dlrm",
+                         inputs=input_metadata(model.spec),
+                         outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1])])
+
+
+@router.get("/models/{name}", response_model=ModelMetadata, summary="Model metadata: inputs and outputs")
+def model_metadata(name: str, service: ServiceDep) -> ModelMetadata:
+    return _metadata(service, name, None)
+
+
+@router.get("/models/{name}/versions/{version}", response_model=ModelMetadata, summary="A version's metadata")
+def version_metadata(name: str, version: str, service: ServiceDep) -> ModelMetadata:
+    return _metadata(service, name, version)
+
+
+@router.get("/models/{name}/ready", summary="Whether the model is ready")
+def model_ready(name: str, service: ServiceDep) -> dict:
+    service.resolve(name)
+    return {"name": name, "ready": True}
+
+
+@router.get("/models/{name}/versions/{version}/ready", summary="Whether a version is ready (loads it)")
+def version_ready(name: str, version: str, service: ServiceDep) -> dict:
+    service.resolve(name, version)
+    return {"name": name, "version": version, "ready": True}
+
+
+def _parse(body: bytes, header_length: str | None) -> tuple[InferRequest, list[list | None]]:
+    head, raw = binary.split(body, header_length) if header_length is not None else (body, b"")
+    try:
+        request = InferRequest.model_validate_json(head)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
+    for k, out in enumerate(request.outputs or []):
+        if out.name != OUTPUT:
+            raise InputError(f"outputs.{k}.name", f"unknown output {out.name!r}: the model has one, {OUTPUT!r}")
+    return request, binary.decode(request.inputs, raw)
+
+
+def infer_sync(service: ModelService, name: str, version: str | None, body: bytes,
+               header_length: str | None) -> Response:
+    """One infer request, off the event loop."""
+    model = service.resolve(name, version)
+    request, values = _parse(body, header_length)
+    inputs, _ = tensors_to_inputs(model, request.inputs, values, service.settings.max_instances)
+    scored = service.scored(model, inputs, "tensors")
+    n = len(scored.predictions)
+    asked = (request.outputs or [None])[0]
+    as_binary = binary.wants_binary(request.parameters, asked.parameters if asked else None)
+    output = InferOutput(name=OUTPUT, shape=[n], datatype="FP32",
+                         parameters={"binary_data_size": 4 * n} if as_binary else None,
+                         data=None if as_binary else scored.predictions)
+    answer = InferResponse(model_name=name, model_version=scored.version, id=request.id,
+                           parameters={"model_generation": scored.generation}, outputs=[output])
+    if not as_binary:
+        return JSONResponse(answer.model_dump(exclude_none=True))
+    head = answer.model_dump_json(exclude_none=True).encode()
+    return Response(head + binary.encode(scored.predictions), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+@router.post("/models/{name}/infer", openapi_extra=INFER_BODY, response_model=InferResponse,
+             summary="Score examples given as one tensor per feature")
+async def infer(name: str, request: Request, service: ServiceDep) -> Response:
+    body = await request.body()
+    return await run_in_threadpool(infer_sync, service, name, None, body, request.headers.get(binary.HEADER))
+
+
+@router.post("/models/{name}/versions/{version}/infer", openapi_extra=INFER_BODY, response_model=InferResponse,
+             summary="Score examples with a pinned version")
+async def infer_version(name: str, version: str, request: Request, service: ServiceDep) -> Response:
+    body = await request.body()
+    return await run_in_threadpool(infer_sync, service, name, version, body, request.headers.get(binary.HEADER))
