@@ -30,7 +30,13 @@ import torch.nn.functional as nnf
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from dense_trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from dense_trainer.checkpointing import (
+    TrainerCheckpoints,
+    TrainState,
+    fault_report,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dense_trainer.config import Config, prepare_config
 from dense_trainer.data.loader import BatchLoader
 from dense_trainer.metrics import log_loss_from_logits, roc_auc
@@ -119,6 +125,8 @@ class Trainer:
         self.live = None  # a LivePublisher while live updates run
         self.timings = {"embedding_forward_s": 0.0, "dense_forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
         self.step_losses: list[float] = []
+        self.checkpoints = TrainerCheckpoints(self)  # when to cut; writing and finishing them
+        self.resumed: dict | None = None  # the fault this run resumed from (OUT/last-fault.json)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -230,6 +238,7 @@ class Trainer:
         if summary := loader.bad_lines.summary():
             log.warning(summary)
         self._checkpoint_with(loader)
+        self.checkpoints.close()
         if self._stop_signal is not None or self._peer_stopped:
             self._stop_cluster()
             raise KeyboardInterrupt(
@@ -275,8 +284,8 @@ class Trainer:
                 if cfg.eval_every_steps and s.step % cfg.eval_every_steps == 0:
                     self._evaluate_into_history(test_files, final=False)
                     t_last = time.perf_counter()
-                if cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0:
-                    self._checkpoint_with(loader)
+                if kind := self.checkpoints.due(s.step):  # in the background: training goes on
+                    self._checkpoint_with(loader, kind, wait=False)
                     t_last = time.perf_counter()
                 if self._should_stop() or (cfg.max_steps and s.step >= cfg.max_steps):
                     return False
@@ -298,8 +307,8 @@ class Trainer:
     def checkpoint_dir(self) -> Path:
         return self.out_dir / "checkpoints"
 
-    def save_checkpoint(self) -> Path:
-        return save_checkpoint(self)
+    def save_checkpoint(self, kind: str = "full", wait: bool = True) -> Path | None:
+        return save_checkpoint(self, kind, wait)
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore the model, the tables and the run's state from checkpoint ``path``."""
@@ -316,8 +325,10 @@ class Trainer:
             log.warning("--resume: no checkpoint in %s; starting from the beginning", self.checkpoint_dir)
         else:
             self.load_checkpoint(ckpt)
+            if self.is_master:
+                self.resumed = fault_report(self, self.state, ckpt)
 
-    def _checkpoint_with(self, loader: BatchLoader) -> None:
+    def _checkpoint_with(self, loader: BatchLoader, kind: str = "full", wait: bool = True) -> None:
         """Fold the loader's counters into the state, then checkpoint."""
         s = self.state
         s.bad_lines = loader.bad_lines.state()
@@ -325,7 +336,7 @@ class Trainer:
         s.parse_rows += loader.stats.rows - rows0
         s.parse_seconds += loader.stats.parse_seconds - secs0
         self._parse_base = (loader.stats.rows, loader.stats.parse_seconds)
-        self.save_checkpoint()
+        self.save_checkpoint(kind, wait)
 
     @contextlib.contextmanager
     def _stop_signals(self) -> Iterator[None]:

@@ -27,6 +27,7 @@ from embedding_server.client import EmbeddingClient
 from embedding_server.cluster import Cluster
 from embedding_server.planner import ShardingPlan
 from embedding_server.sharding import SCHEMES
+from embedding_server.table_snapshot import CutRequest
 from embedding_server.wire import EXCHANGE_DTYPES, HEADER, Command, ids_dtype, pack_ids
 
 
@@ -213,10 +214,11 @@ class DistributedEmbeddingClient(EmbeddingClient):
             return _DistributedLookup.apply(self._placeholder, self, sparse)
         return self._forward(sparse, Command.LOOKUP_EVAL)[0]
 
-    def save(self, directory: Path, step: int) -> None:
-        """Every trainer calls this at the same step: servers write their pieces, then all meet."""
-        self._headers(Command.CHECKPOINT, step, [], 0)
-        dist.barrier()
+    def checkpoint(self, cut: CutRequest) -> None:
+        """Every trainer calls this at the same step: each server snapshots its pieces and writes
+        them in the background (the master's header carries the cut)."""
+        arg, payload, wait = cut.header()
+        self._headers(Command.CHECKPOINT, arg, [payload] * self.roles.num_servers, wait)
 
     def restore(self, checkpoint: Path) -> None:
         """Servers restore their own pieces when they start (see ``EmbeddingServer.restore``)."""

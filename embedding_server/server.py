@@ -6,7 +6,8 @@ optimizer) and answers the trainers in lockstep, one command per round (see ``wi
     LOOKUP_TRAIN   ids in -> one fused lookup over every trainer's examples -> pooled out ->
                    gradients in -> backward, which applies the optimizer to the touched rows
     LOOKUP_EVAL    the same without gradients
-    CHECKPOINT     save the pieces and their optimizer state into the partial checkpoint
+    CHECKPOINT     snapshot the pieces' trained rows and optimizer state; a background thread
+                   writes them into the partial checkpoint (``server_checkpoint.py``)
     LIVE_START     start pushing changed rows to the serving store's current (live) version
     STOP           report timings and leave
 
@@ -21,20 +22,22 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import FeatureSpec
-from embedding_server.checkpoint import partial_dir, save_file
+from embedding_server.ckpt_writer import CheckpointWriter
 from embedding_server.cluster import Cluster
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
 from embedding_server.live import LivePusher
 from embedding_server.planner import ShardingPlan
+from embedding_server.server_checkpoint import ServerCheckpoints
 from embedding_server.shard import EmbeddingShard
-from embedding_server.table_checkpoint import CheckpointTables, shard_payload
+from embedding_server.table_checkpoint import CheckpointTables
+from embedding_server.table_snapshot import CutRequest
 from embedding_server.wire import EXCHANGE_DTYPES, HEADER, Command, ids_dtype, unpack_ids
 
 log = logging.getLogger(__name__)
@@ -46,8 +49,8 @@ class ServerStage(Protocol):
     def respond(self, pooled: torch.Tensor, batches: list[int], train: bool) -> None:
         """pooled float [sum_r B_r, width] (rows by trainer); batches: B_r of each trainer."""
 
-    def save(self, directory: Path) -> None:
-        """Write the stage's own state (if any) into a partial checkpoint."""
+    def snapshot(self) -> dict[str, Any]:
+        """Copies of the stage's own state (if any): checkpoint file name -> object."""
 
     def restore(self, checkpoint: Path) -> None:
         """Restore the stage's own state (if any)."""
@@ -80,8 +83,8 @@ class FlatStage:
             pooled.backward(grads.view(total, s.width).to(pooled.dtype))  # fused optimizer step
         s.timings["update_s"] += time.perf_counter() - t1
 
-    def save(self, directory: Path) -> None:
-        pass
+    def snapshot(self) -> dict[str, Any]:
+        return {}
 
     def restore(self, checkpoint: Path) -> None:
         pass
@@ -98,11 +101,13 @@ class EmbeddingServer:
         seed: initialisation seed of the tables.
         checkpoint_root: the job's checkpoints directory.
         stage: builds the stage from this server (default: the flat one).
+        writer: its background checkpoint writer (default: unthrottled).
     """
 
     def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, embedding: EmbeddingConfig,
                  dist: DistConfig, live: LiveConfig, seed: int, checkpoint_root: Path,
-                 stage: Callable[[EmbeddingServer], ServerStage] | None = None) -> None:
+                 stage: Callable[[EmbeddingServer], ServerStage] | None = None,
+                 writer: CheckpointWriter | None = None) -> None:
         self.cluster = cluster
         self.roles = cluster.roles
         self.index = self.roles.server_index(cluster.rank)
@@ -114,7 +119,7 @@ class EmbeddingServer:
         self.shard = EmbeddingShard(self.local_tables, embedding.optimizer, "cpu", seed,
                                     embedding.init_scale or None, self.slot_piece) if self.slots else None
         self.width = sum(p.dim for _, p in self.slots)
-        self.checkpoint_root = Path(checkpoint_root)
+        self.checkpoints = ServerCheckpoints(checkpoint_root, self.index, writer)
         self.wire_dtype = EXCHANGE_DTYPES[dist.exchange_dtype]
         self.timings = {"lookup_s": 0.0, "update_s": 0.0, "wait_s": 0.0}
         self.steps = 0
@@ -144,6 +149,7 @@ class EmbeddingServer:
             if not bool((h[:, 0] == h[0, 0]).all()):
                 raise RuntimeError(f"server {self.index}: trainers disagree on the command: {h[:, 0].tolist()}")
             if command == Command.STOP:
+                self.checkpoints.close(self.cluster.slow_timeout_s or 600.0)
                 if self.live is not None:
                     self.live.close()
                 return {"server": self.index, "steps": self.steps, **self.timings, **self.exchange.stats}
@@ -152,10 +158,12 @@ class EmbeddingServer:
                 dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
                 self.start_live(holder[0])
                 continue
-            if command == Command.CHECKPOINT:
-                self.save(int(h[0, 1]))
-                dist.barrier()
-                dist.barrier(group=self.cluster.slow_group)  # while the master finalises it
+            if command == Command.CHECKPOINT:  # the master's header carries the cut
+                cut = CutRequest.from_header(int(h[0, 1]), int(h[0, 2]), int(h[0, 3]))
+                if not cut.taken:
+                    self.checkpoints.cut(self, cut)
+                if cut.wait:
+                    dist.barrier(group=self.cluster.slow_group)  # while the master finishes it
                 continue
             self.lookup(h, train=command == Command.LOOKUP_TRAIN)
 
@@ -209,9 +217,3 @@ class EmbeddingServer:
             lambda: [self.shard.table_weights()[n] for n in names], self.live_config.push_every_s,
         )
         log.info("server %d pushes live updates to %s (version %s)", self.index, store.url, version)
-
-    def save(self, step: int) -> None:
-        directory = partial_dir(self.checkpoint_root, step)
-        if self.shard is not None:
-            save_file(directory, f"embeddings-server-{self.index}.pt", shard_payload(self.shard))
-        self.stage.save(directory)

@@ -18,11 +18,11 @@ from torch import nn
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
-from embedding_server.checkpoint import save_file
 from embedding_server.client import EmbeddingClient
 from embedding_server.local_table import LocalTable, init_rows
-from embedding_server.optimizers import SparseOptimizerConfig
-from embedding_server.table_checkpoint import CheckpointTables, shard_payload
+from embedding_server.optimizers import SparseOptimizerConfig, state_shapes
+from embedding_server.table_checkpoint import CheckpointTables
+from embedding_server.table_snapshot import CutRequest, TouchedRows, snapshot_tables
 from embedding_server.tbe import TBEKernel, fbgemm_supports
 from embedding_server.torch_kernel import TorchKernel
 
@@ -98,7 +98,10 @@ class EmbeddingShard(nn.Module):
             if torch.equal(order, torch.arange(order.numel()))
             else torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).to(device)
         )
+        self.seed = seed
         self.reset_parameters(seed)
+        self.touched = TouchedRows([t.spec.rows for t in tables])
+        """Rows trained (what checkpoints write: ``table_snapshot.py``)."""
 
     @property
     def output_dim(self) -> int:
@@ -123,6 +126,9 @@ class EmbeddingShard(nn.Module):
         """Pooled embeddings of every bag: ids of F features for B examples -> float [B, sum(D_f)]."""
         if not self.kernels:  # a model without categorical features
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
+        if torch.is_grad_enabled():  # a training lookup: its rows are updated on backward
+            for f, piece in enumerate(self.feature_map):
+                self.touched.mark(piece, sparse.feature_values(f)[0].cpu())
         if len(self.kernels) == 1 and self._unpermute is None:  # one kernel, features in order
             return self.kernels[0](sparse.values, sparse.offsets)
         outs = [
@@ -149,6 +155,10 @@ class EmbeddingShard(nn.Module):
             for t, s in zip(group, kernel.states(), strict=True):
                 views[t] = s
         return views
+
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the optimizer states of each table (``momentum1``, ``exp_avg``...)."""
+        return tuple(state_shapes(self.optimizer_config.kind, 1, 1))
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """Each table piece's weights (views, not copies), by table name."""
@@ -226,8 +236,14 @@ class InProcessEmbeddingClient(EmbeddingClient):
         """One process holds everything: publishing is all there is to do."""
         return publish() if publish is not None else ""
 
-    def save(self, directory: Path, step: int) -> None:
-        save_file(directory, "embeddings.pt", shard_payload(self.shard))
+    def checkpoint(self, cut: CutRequest) -> tuple[dict, dict]:
+        """The tables are here: their trained rows (changed since the cut's base), for this
+        process's writer."""
+        if cut.taken:
+            return {}, {}
+        files, record = snapshot_tables(self.shard, cut.base_step, "embeddings")
+        self.shard.touched.close_cut(cut.step)
+        return files, record
 
     def restore(self, checkpoint: Path) -> None:
         CheckpointTables(checkpoint).load_into(self.shard)
