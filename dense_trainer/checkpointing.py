@@ -126,6 +126,13 @@ def model_bytes(trainer: Checkpointed) -> int:
     return sum(piece_bytes(t.rows, t.dim, kind) for t in trainer.spec.tables)
 
 
+def storage_rate(cfg: Config) -> float:
+    """The slowest write rate still counted as progress: ``dist.io_min_bytes_per_s``, or the
+    checkpoint writers' own rate limit when lower."""
+    limit = cfg.train.checkpoint_write_bytes_per_s
+    return min(cfg.dist.io_min_bytes_per_s, limit) if limit else cfg.dist.io_min_bytes_per_s
+
+
 def dense_snapshot(trainer: Checkpointed) -> dict[str, Any]:
     """Copies of the master's state at this step (written in the background)."""
     return {
@@ -151,8 +158,8 @@ class TrainerCheckpoints:
     @property
     def bound_s(self) -> float:
         """How long writing a checkpoint may take before it counts as stuck."""
-        d = self.trainer.cfg.dist
-        return io_bound_s(model_bytes(self.trainer), d.timeout_s, d.io_min_bytes_per_s)
+        cfg = self.trainer.cfg
+        return io_bound_s(model_bytes(self.trainer), cfg.dist.timeout_s, storage_rate(cfg))
 
     @property
     def finalizer(self) -> Finalizer:

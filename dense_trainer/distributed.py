@@ -33,11 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dense_trainer.checkpointing import FAULT_FILE, storage_rate
 from dense_trainer.config import Config
 from dense_trainer.data.loader import BatchLoader
 from dlrm_core.errors import ConfigError, DlrmError
 from dlrm_core.logs import setup_logging
 from embedding_server.checkpoint import latest_checkpoint
+from embedding_server.ckpt_writer import CheckpointWriter, exit_status
 from embedding_server.cluster import Roles, join, open_slow_group
 from embedding_server.dist_client import DistributedEmbeddingClient
 from embedding_server.planner import (
@@ -59,7 +61,6 @@ SAMPLE_ROWS = 20_000
 """Rows of the first training file read to measure each table's pooling factor."""
 SLOW_MARGIN_S = 30.0
 """The slow group's timeout exceeds every phase bound by this much."""
-FAULT_FILE = "last-fault.json"
 
 
 def pooling_factors(cfg: Config, files: list[Path]) -> list[float]:
@@ -125,7 +126,7 @@ def slow_timeout_s(cfg: Config, plan: ShardingPlan) -> float:
     plus the model's bytes (tables and optimizer state) at ``dist.io_min_bytes_per_s``, plus a
     margin so that a rank past its own phase bound ends itself first, naming the phase."""
     nbytes = sum(piece_bytes(p.rows, p.dim, cfg.embedding.optimizer.kind) for p in plan.pieces)
-    return io_bound_s(nbytes, cfg.dist.timeout_s, cfg.dist.io_min_bytes_per_s) + SLOW_MARGIN_S
+    return io_bound_s(nbytes, cfg.dist.timeout_s, storage_rate(cfg)) + SLOW_MARGIN_S
 
 
 def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool,
@@ -175,8 +176,9 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         if layout is not None:
             def stage(server):
                 return TowerServerStage(server, layout, plan, groups, cfg.optim, cfg.train.seed)
+        writer = CheckpointWriter(f"server-{roles.server_index(rank)}", cfg.train.checkpoint_write_bytes_per_s)
         server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, cfg.train.seed,
-                                 out / "checkpoints", stage)
+                                 out / "checkpoints", stage, writer)
         cluster.heartbeat.progress = lambda: server.steps
         if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
             with cluster.heartbeat.phase(f"restoring {ckpt.name}", cluster.slow_timeout_s - SLOW_MARGIN_S):
@@ -207,16 +209,16 @@ def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: 
             Path(result_path).write_text(json.dumps({"ok": True}))
     except KeyboardInterrupt as exc:
         Path(result_path).write_text(json.dumps({"interrupted": str(exc)}))
-        raise SystemExit(130) from None
+        raise SystemExit(exit_status(130)) from None
     except DlrmError as exc:
         print(f"dlrm train: {Roles(cfg.dist.trainers, cfg.dist.embedding_servers).describe(rank)}: error: {exc}", flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(exit_status(2)) from None
     except Exception as exc:  # a lost peer, or a bug: one line, the traceback only when asked
         role = Roles(cfg.dist.trainers, cfg.dist.embedding_servers).describe(rank)
         print(f"dlrm train: {role} stopped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
         if os.environ.get("DLRM_DEBUG"):
             traceback.print_exc()
-        raise SystemExit(1) from None
+        raise SystemExit(exit_status(1)) from None
 
 
 def free_port() -> int:

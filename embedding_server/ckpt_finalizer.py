@@ -103,6 +103,8 @@ class Finalizer:
         while self.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         self._queue.put(None)
+        if not self.in_flight:
+            self._thread.join(timeout=5)
 
     # -- the thread ----------------------------------------------------------------------------
 

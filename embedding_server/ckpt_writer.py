@@ -13,15 +13,32 @@ Jobs are written in the order they were submitted. The master trainer's finalise
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 from embedding_server.checkpoint import save_file, write_record
 
 log = logging.getLogger(__name__)
+
+_WRITERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def exit_status(code: int) -> int:
+    """``code``, for a process that ends on a failure. While a checkpoint writer is still busy,
+    the process ends here (``os._exit``, after flushing): interpreter shutdown under a thread that
+    is inside torch aborts the process, which would hide the status. The partial checkpoint it
+    was writing is never made current."""
+    if any(w.busy for w in list(_WRITERS)):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 class CheckpointWriter:
@@ -40,6 +57,7 @@ class CheckpointWriter:
         self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{name}", daemon=True)
         self._thread.start()
+        _WRITERS.add(self)
 
     @property
     def busy(self) -> bool:
@@ -67,6 +85,8 @@ class CheckpointWriter:
         """Finish the submitted jobs (bounded), then stop the thread."""
         done = self.wait_idle(timeout_s)
         self._jobs.put(None)
+        if done:
+            self._thread.join(timeout=5)
         return done
 
     def _run(self) -> None:

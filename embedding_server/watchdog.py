@@ -126,6 +126,7 @@ class Heartbeat:
         self._phase: tuple[str, float, float] | None = None  # (what, started, bound_s)
         self._store_ok = time.monotonic()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
@@ -135,21 +136,30 @@ class Heartbeat:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=15)  # not inside a store call when the process ends
 
     @contextlib.contextmanager
     def phase(self, what: str, bound_s: float) -> Iterator[None]:
         """A long wait of this rank's own, which may last ``bound_s`` (then the rank ends itself)."""
         previous = self._phase
         self._phase = (what, time.monotonic(), bound_s)
+        self._wake.set()  # show it now
         try:
             yield
         finally:
             self._phase = previous
+            self._wake.set()
 
     # -- the thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             now = time.monotonic()
             self._beat(now)
             if self._phase is not None:
