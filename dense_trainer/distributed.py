@@ -258,6 +258,18 @@ def watch_ranks(procs: list, monitor: JobMonitor, timeout_s: float) -> tuple[int
         time.sleep(0.1)
 
 
+def write_rank_files(out: Path, roles: Roles, pids: list[int]) -> None:
+    """``OUT/ranks/rank-<r>.json`` of every rank as soon as it is spawned (each rank rewrites its
+    own once it has joined); files of an earlier, larger job are removed."""
+    ranks = out / "ranks"
+    ranks.mkdir(parents=True, exist_ok=True)
+    for old in ranks.glob("rank-*.json"):
+        old.unlink(missing_ok=True)
+    for rank, pid in enumerate(pids):
+        (ranks / f"rank-{rank}.json").write_text(
+            json.dumps({"rank": rank, "role": roles.describe(rank), "pid": pid, "host": socket.gethostname()}))
+
+
 def record_fault(out: Path, roles: Roles, rank: int, how: str, monitor: JobMonitor) -> None:
     """``OUT/last-fault.json``: who was lost, how, and the step the job had reached (a resumed run
     reports the steps it redoes from it)."""
@@ -291,6 +303,7 @@ def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, re
         )
         p.start()
         procs.append(p)
+    write_rank_files(out, roles, [p.pid for p in procs])
     trainers = procs[: roles.num_trainers]
 
     def forward_signal(signum, _frame):  # trainers checkpoint and stop the servers themselves

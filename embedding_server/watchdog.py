@@ -236,7 +236,8 @@ class JobMonitor:
             quiet = silent.get(rank, now - self._stopped_since.get(rank, now))
             if quiet > self.timeout_s and (worst is None or quiet > worst[0]):
                 how = "is stopped (SIGSTOP)" if state in ("T", "t") else "stopped responding"
-                worst = (quiet, rank, f"{how}: no heartbeat for {quiet:.0f}s")
+                phase = self.phase(rank)
+                worst = (quiet, rank, f"{how}{f' while {phase}' if phase else ''}: no heartbeat for {quiet:.0f}s")
         return (worst[1], worst[2]) if worst else None
 
     def suspect(self, alive: list[bool], min_quiet_s: float) -> tuple[int, str] | None:
