@@ -58,6 +58,7 @@ def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
     if trainer.is_master:  # what the run's checkpoints wrote, and the fault it resumed from
         done = trainer.checkpoints.finalizer.completed
         metrics["checkpoints"] = {"written": len(done), "skipped": trainer.checkpoints.skipped,
+                                  "longest_s": max((c["seconds"] for c in done), default=None),
                                   "last": done[-1] if done else None}
         metrics["resumed_after_fault"] = trainer.resumed
     if cfg_losses := trainer.step_losses:

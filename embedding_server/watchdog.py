@@ -158,9 +158,10 @@ class Heartbeat:
         while True:
             self._wake.wait(self.interval_s)
             self._wake.clear()
-            if self._stop.is_set():
-                return
             now = time.monotonic()
+            if self._stop.is_set():
+                self._beat(now)  # the last word: the step this rank ends at
+                return
             self._beat(now)
             if self._phase is not None:
                 what, started, bound = self._phase
@@ -249,8 +250,13 @@ class JobMonitor:
         finally:
             self.timeout_s = saved
 
-    def step(self, rank: int = 0) -> int | None:
-        """The last step a rank reported (the master trainer's: the job's step)."""
+    def step(self, rank: int = 0, alive: bool = False, wait_s: float = 2.0) -> int | None:
+        """The last step a rank reported (the master trainer's: the job's step). For a rank still
+        ``alive``, after its next beat (it beats once more as it ends), at most ``wait_s``."""
+        beats = self.store.add(beat_key(rank), 0)
+        deadline = time.monotonic() + (wait_s if alive else 0.0)
+        while time.monotonic() < deadline and self.store.add(beat_key(rank), 0) == beats:
+            time.sleep(0.05)
         return read_status(self.store, rank).get("step")
 
     def phase(self, rank: int) -> str:

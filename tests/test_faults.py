@@ -128,3 +128,62 @@ def _connect(port: int):
         return connect("127.0.0.1", port, 2.0)
     except Exception:
         return None
+
+
+def test_incremental_checkpoints_bound_the_updates_a_killed_server_loses(synth_small, tmp_path):
+    out, interval = tmp_path / "run", 1.0
+    args = ["train", "--train", synth_small / "train.txt", "--test", synth_small / "test.txt", "--out", out,
+            "--config", "configs/tiny.toml", "--batch-size", "64", "--no-progress", "--embedding-servers", "2",
+            "--set", "train.checkpoint_every_steps=0", "--set", f"train.checkpoint_delta_every_s={interval}",
+            "--set", f"dist.timeout_s={TIMEOUT_S}"]
+    proc = subprocess.Popen([*DLRM, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+    def deltas() -> list[Path] | None:
+        try:
+            chain = checkpoint_chain(latest_checkpoint(out / "checkpoints"))
+        except Exception:  # none yet, or pruned while read
+            return None
+        return chain if len(chain) >= 4 else None
+
+    wait_for(deltas, "three deltas")
+    os.kill(pid_of(out, 2), signal.SIGKILL)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "rank 2 (embedding server 1) was killed by SIGKILL" in output, output
+    fault = json.loads((out / "last-fault.json").read_text())
+    latest = latest_checkpoint(out / "checkpoints")
+    assert read_manifest(latest)["kind"] == "delta"
+    # Updates lost: the steps between the last checkpoint and the fault, at most about one
+    # interval's worth (plus the finaliser's latency and one heartbeat of imprecision).
+    cuts = [read_manifest(p) for p in checkpoint_chain(latest)[-3:]]
+    rate = (cuts[-1]["step"] - cuts[0]["step"]) / (cuts[-1]["meta"]["cut_time"] - cuts[0]["meta"]["cut_time"])
+    lost = fault["step"] - read_manifest(latest)["step"]
+    print(f"{rate:.1f} steps/s; {lost} steps of updates lost (bound {rate * (interval + 2.5):.0f})")
+    assert lost <= rate * (interval + 2.5)
+    resumed = subprocess.run([*DLRM, *map(str, args), "--resume"], cwd=REPO, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["samples_seen"] == 20_000
+    assert metrics["resumed_after_fault"]["steps_redone"] == max(lost, 0)
+    reference = Trainer(tiny_config(train={"batch_size": 64}), tmp_path / "ref").fit(
+        [synth_small / "train.txt"], [synth_small / "test.txt"])
+    assert abs(metrics["test_auc"] - reference["test_auc"]) < 0.003
+
+
+def test_a_checkpoint_slower_than_the_step_timeout_does_not_stop_training(synth_small, tmp_path):
+    out = tmp_path / "run"
+    timeout = 4
+    done = subprocess.run([*DLRM, "train", "--train", str(synth_small / "train.txt"), "--test",
+                           str(synth_small / "test.txt"), "--out", str(out), "--config", "configs/tiny.toml",
+                           "--batch-size", "128", "--no-progress", "--embedding-servers", "1",
+                           "--set", "train.checkpoint_every_steps=10", "--set", "train.max_steps=30",
+                           "--set", "train.checkpoint_write_bytes_per_s=60000", "--set", f"dist.timeout_s={timeout}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    metrics = json.loads((out / "metrics.json").read_text())
+    ckpts = metrics["checkpoints"]
+    # The writer took longer than the step timeout; training went on, skipping the checkpoints
+    # that fell due meanwhile, and the last one was waited for.
+    assert ckpts["longest_s"] > timeout and ckpts["skipped"] >= 1, ckpts
+    assert metrics["steps"] == 30 and ckpts["last"]["step"] == 30
