@@ -53,7 +53,7 @@ from embedding_server.server import EmbeddingServer
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.plan import TowerPlan
 from embedding_server.towers.stage import TowerClientStage, TowerServerStage
-from embedding_server.watchdog import SUPERVISED_ENV, JobMonitor, io_bound_s
+from embedding_server.watchdog import SUPERVISED_ENV, JobMonitor, PeerLost, io_bound_s
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,10 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         stats = server.serve()
         dist.gather_object(stats, None, dst=0)
         return None
+    except RuntimeError as exc:  # a failed collective (DistBackendError): name the silent peer, if any
+        if (why := cluster.heartbeat.suspect()) is not None:
+            raise PeerLost(f"{why}; {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+        raise
     finally:
         cluster.heartbeat.close()
         try:

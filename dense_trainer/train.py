@@ -326,7 +326,7 @@ class Trainer:
         else:
             self.load_checkpoint(ckpt)
             if self.is_master:
-                self.resumed = fault_report(self, self.state, ckpt)
+                self.resumed = fault_report(self, self.state, ckpt) or {"resumed_step": self.state.step}
 
     def _checkpoint_with(self, loader: BatchLoader, kind: str = "full", wait: bool = True) -> None:
         """Fold the loader's counters into the state, then checkpoint."""

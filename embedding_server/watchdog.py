@@ -32,12 +32,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dlrm_core.errors import DlrmError
+
 log = logging.getLogger(__name__)
 
 SUPERVISED_ENV = "DLRM_SUPERVISED"
 """Set by the local launcher: it watches the ranks' beats, so ranks do not watch each other."""
 EXIT_LOST = 3
 """Exit status of a rank that gave up on a lost peer or a phase past its bound."""
+
+
+class PeerLost(DlrmError):
+    """A collective failed because a peer went silent (the message names it)."""
 
 
 def io_bound_s(nbytes: int, timeout_s: float, min_bytes_per_s: float) -> float:
@@ -58,6 +64,10 @@ def status_key(rank: int) -> str:
     return f"{_prefix()}/st/{rank}"
 
 
+def done_key(rank: int) -> str:
+    return f"{_prefix()}/done/{rank}"
+
+
 def connect(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client connection of its own to the rendezvous store (never the process group's)."""
     return dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
@@ -74,7 +84,11 @@ class PeerBeats:
         """rank -> monotonic time its beat last moved (absent: never seen)."""
 
     def read(self, store: dist.TCPStore, now: float) -> None:
-        for r in self.ranks:
+        for r in list(self.ranks):
+            if store.add(done_key(r), 0):  # it ended on its own: no longer watched
+                self.ranks.remove(r)
+                self.moved.pop(r, None)
+                continue
             n = store.add(beat_key(r), 0)  # reads without waiting (creates the counter at 0)
             if n != self.count[r]:
                 self.count[r] = n
@@ -97,7 +111,8 @@ def read_status(store: dist.TCPStore, rank: int) -> dict:
 
 
 class Heartbeat:
-    """This rank's heartbeat thread (and, unsupervised, its watch over every peer).
+    """This rank's heartbeat (and, unsupervised, its watch over every peer): two threads, one that
+    talks to the store (which may block on a lost host) and one that decides, never blocking.
 
     Args:
         store: a client connection of its own (:func:`connect`).
@@ -124,21 +139,23 @@ class Heartbeat:
         self.progress: Callable[[], int] | None = None
         """Returns this rank's step (trainers: the global step; servers: steps served)."""
         self._phase: tuple[str, float, float] | None = None  # (what, started, bound_s)
-        self._store_ok = time.monotonic()
+        self._store_ok = time.monotonic()  # the store's last answer
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._io = threading.Thread(target=self._run_io, name="heartbeat", daemon=True)
+        self._guard = threading.Thread(target=self._run_guard, name="heartbeat-guard", daemon=True)
 
     def start(self) -> Heartbeat:
-        self._beat(time.monotonic())
-        self._thread.start()
+        self._beat()
+        self._io.start()
+        self._guard.start()
         return self
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=15)  # not inside a store call when the process ends
+        if self._io.is_alive() and self._io is not threading.current_thread():
+            self._io.join(timeout=3)  # its last beat; not inside a store call when the process ends
 
     @contextlib.contextmanager
     def phase(self, what: str, bound_s: float) -> Iterator[None]:
@@ -152,47 +169,64 @@ class Heartbeat:
             self._phase = previous
             self._wake.set()
 
-    # -- the thread ----------------------------------------------------------------------------
+    # -- the threads -----------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run_io(self) -> None:
         while True:
             self._wake.wait(self.interval_s)
             self._wake.clear()
-            now = time.monotonic()
+            self._beat()  # after a stop: the last word, the step this rank ends at
             if self._stop.is_set():
-                self._beat(now)  # the last word: the step this rank ends at
+                try:
+                    self.store.add(done_key(self.rank), 1)
+                except Exception:
+                    pass
                 return
-            self._beat(now)
-            if self._phase is not None:
-                what, started, bound = self._phase
-                if now - started > bound:
-                    self.fatal(f"{what} took longer than its bound of {bound:.0f}s (stuck storage or a stuck peer?)")
-            if self.peers is not None and now - self._store_ok < self.timeout_s:
-                self._watch(now)
+            if self.peers is not None:
+                try:
+                    self.peers.read(self.store, time.monotonic())
+                    self._store_ok = time.monotonic()
+                except Exception:  # the store's host is lost: the guard counts the silence
+                    pass
 
-    def _beat(self, now: float) -> None:
+    def _beat(self) -> None:
         status = {"step": self.progress() if self.progress else 0, "pid": os.getpid(),
                   "phase": self._phase[0] if self._phase else "", "t": time.time()}
         try:
             self.store.add(beat_key(self.rank), 1)
             self.store.set(status_key(self.rank), json.dumps(status))
-            self._store_ok = now
-        except Exception as exc:  # the store's host is gone, stopped or cut off
-            if now - self._store_ok > self.timeout_s and not self._stop.is_set():
-                self.fatal(f"the rendezvous store {self.where} has not answered for {now - self._store_ok:.0f}s "
-                           f"({type(exc).__name__}); its host (rank 0 or the launcher) is lost")
+            self._store_ok = time.monotonic()
+        except Exception:  # the store's host is gone, stopped or cut off: the guard decides
+            pass
 
-    def _watch(self, now: float) -> None:
-        try:
-            self.peers.read(self.store, now)
-        except Exception:
-            return  # counted by _beat
-        silent = self.peers.silent(now)
-        lost = sorted((s, r) for r, s in silent.items() if s > self.timeout_s)
-        if lost:
-            s, r = lost[-1]
-            self.fatal(f"{self.describe(r)} sent no heartbeat for {s:.0f}s (stopped, hung or cut off from "
-                       "the network)")
+    def _run_guard(self) -> None:
+        while not self._stop.wait(min(0.25, self.interval_s)):
+            if (why := self._lost(time.monotonic(), self.timeout_s)) is not None:
+                self.fatal(why)
+            if self._phase is not None:
+                what, started, bound = self._phase
+                if time.monotonic() - started > bound:
+                    self.fatal(f"{what} took longer than its bound of {bound:.0f}s (stuck storage or a stuck peer?)")
+
+    def _lost(self, now: float, quiet_s: float) -> str | None:
+        """What has been silent for more than ``quiet_s``: the store (its host), else a peer."""
+        if self.peers is None:
+            return None
+        if now - self._store_ok > quiet_s:
+            return (f"the rendezvous store {self.where} has not answered for {now - self._store_ok:.0f}s; its host "
+                    "(rank 0, or torchrun's agent) is lost")
+        # A peer's silence counts while the store answers (else the store is the one lost).
+        silent = [(min(now, self._store_ok) - t, r) for r, t in list(self.peers.moved.items())]
+        silent = [(q, r) for q, r in silent if q > quiet_s]
+        if not silent:
+            return None
+        q, r = max(silent)
+        return f"{self.describe(r)} sent no heartbeat for {q:.0f}s (stopped, hung or cut off from the network)"
+
+    def suspect(self, min_quiet_s: float = 3.0) -> str | None:
+        """Why a collective probably failed: the store or the quietest peer, silent for at least
+        ``min_quiet_s`` (None when all beat, or when the launcher does the watching)."""
+        return self._lost(time.monotonic(), min_quiet_s)
 
     def fatal(self, message: str) -> None:
         """End this process at once (its main thread may be stuck in a collective), saying why."""

@@ -38,8 +38,8 @@ def free_port() -> int:
 
 def train(data: Path, out: Path, *extra: str) -> subprocess.Popen:
     args = ["train", "--train", data / "train.txt", "--test", data / "test.txt", "--out", out,
-            "--config", "configs/tiny.toml", "--batch-size", "128", "--hash-size", str(HASH), "--no-progress",
-            "--set", "train.checkpoint_every_steps=40", "--set", f"dist.timeout_s={TIMEOUT_S}", *extra]
+            "--config", "configs/tiny.toml", "--batch-size", "256", "--hash-size", str(HASH), "--no-progress",
+            "--set", "train.checkpoint_every_steps=20", "--set", f"dist.timeout_s={TIMEOUT_S}", *extra]
     return subprocess.Popen([*DLRM, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -97,19 +97,19 @@ def test_stopped_ranks_end_the_job_then_elastic_resumes_complete(synth_small, tm
     assert "while restoring step-" in output
     # 4. elastic: resume the T=2, E=2 checkpoint with one trainer and one server, for a while ...
     done = subprocess.run([*DLRM, *map(str, train_args(synth_small, out)), "--resume", "--trainers", "1",
-                           "--embedding-servers", "1", "--set", "train.max_steps=100"],
+                           "--embedding-servers", "1", "--set", "train.max_steps=50"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "written by 2 trainer(s), resumed by 1" in done.stderr
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["steps"] == 100 and metrics["samples_seen"] == 100 * 128
+    assert metrics["steps"] == 50 and metrics["samples_seen"] == 50 * 256
     # 5. ... then with three of each, to the end: the data position carried over
     done = subprocess.run([*DLRM, *map(str, train_args(synth_small, out)), "--resume", "--trainers", "3",
                            "--embedding-servers", "3"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["samples_seen"] == 20_000 and metrics["trainers"] == 3
-    reference = Trainer(tiny_config(train={"batch_size": 128}, embedding={"hash_size": HASH}),
+    reference = Trainer(tiny_config(train={"batch_size": 256}, embedding={"hash_size": HASH}),
                         tmp_path / "ref").fit([synth_small / "train.txt"], [synth_small / "test.txt"])
     assert abs(metrics["test_auc"] - reference["test_auc"]) < 0.003
     # No checkpoint left current-but-incomplete, none corrupt: the latest chain reads back whole.
@@ -119,8 +119,8 @@ def test_stopped_ranks_end_the_job_then_elastic_resumes_complete(synth_small, tm
 
 def train_args(data: Path, out: Path) -> list:
     return ["train", "--train", data / "train.txt", "--test", data / "test.txt", "--out", out,
-            "--config", "configs/tiny.toml", "--batch-size", "128", "--hash-size", str(HASH), "--no-progress",
-            "--set", "train.checkpoint_every_steps=40", "--set", f"dist.timeout_s={TIMEOUT_S}"]
+            "--config", "configs/tiny.toml", "--batch-size", "256", "--hash-size", str(HASH), "--no-progress",
+            "--set", "train.checkpoint_every_steps=20", "--set", f"dist.timeout_s={TIMEOUT_S}"]
 
 
 def _connect(port: int):
