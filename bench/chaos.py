@@ -116,7 +116,14 @@ class Setting:
         lines = (self.data / "test.txt").read_text().splitlines(keepends=True)
         self.test_lines, self.labels = lines, [int(line.split("\t", 1)[0]) for line in lines]
         self.probe = "".join(lines[:8])
-        self.expected = self._expected_predictions()
+        self._expected: dict[str, list[float]] | None = None
+
+    @property
+    def expected(self) -> dict[str, list[float]]:
+        """The probe's predictions under each version (made when a serving run first needs them)."""
+        if self._expected is None:
+            self._expected = self._expected_predictions()
+        return self._expected
 
     def train_args(self, out: Path, *extra: str) -> list[str]:
         return ["train", "--train", str(self.data / "train.txt"), "--test", str(self.data / "test.txt"),

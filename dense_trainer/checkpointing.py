@@ -236,7 +236,7 @@ class TrainerCheckpoints:
         t = self.trainer
         path = None
         if pending is not None:  # the master: until its finaliser has made it current
-            with self._phase(f"finishing checkpoint {step_name(pending.step)}"):
+            with self.phase(f"finishing checkpoint {step_name(pending.step)}"):
                 path = self.finalizer.wait(pending, self.bound_s)
         t.wait_for_master()
         return path or t.checkpoint_dir / step_name(t.state.step)
@@ -256,7 +256,8 @@ class TrainerCheckpoints:
                 "plan": plan.model_dump() if plan is not None else None, "trainers": t.trainers,
                 "cut_time": time.time()}
 
-    def _phase(self, what: str):
+    def phase(self, what: str):
+        """A long wait of this rank on storage, bounded like a checkpoint (the heartbeat's phase)."""
         cluster = self.trainer.cluster
         return cluster.heartbeat.phase(what, self.bound_s) if cluster is not None else contextlib.nullcontext()
 

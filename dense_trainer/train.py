@@ -390,7 +390,10 @@ class Trainer:
         publish = None
         if self.is_master:
             self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)
-            publish = lambda: self.live.start_from_checkpoint(checkpoint)  # noqa: E731
+
+            def publish() -> str:  # the others wait on the slow group: bounded by the bytes, as this is
+                with self.checkpoints.phase(f"publishing {checkpoint.name}"):
+                    return self.live.start_from_checkpoint(checkpoint)
         self.client.live_start(publish)
 
     def _evaluate_into_history(self, test_files: list[Path], final: bool) -> dict[str, float]:

@@ -147,7 +147,9 @@ class Finalizer:
         files: dict[str, Any] = {}
         for record in records.values():
             files.update(record["files"])
-        writers = {name: {k: v for k, v in r.items() if k != "files"} for name, r in records.items()}
+        # Each writer's own account (its files' digests are in ``files``, under their names).
+        writers = {name: {**{k: v for k, v in r.items() if k != "files"}, "files": sorted(r["files"])}
+                   for name, r in records.items()}
         extra = {"kind": cut.kind, "base": cut.base, "writers": writers}
         path = finalize_checkpoint(self.root, cut.step, cut.meta, self.keep, files=files, extra=extra)
         self.latest_step = cut.step

