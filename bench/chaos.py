@@ -512,13 +512,19 @@ def redis_run(setting: Setting, fault: str, rng: random.Random, work: Path) -> d
 
 
 def draw(seed: int, n: int) -> list[tuple[str, str]]:
-    """The (role, fault) of runs 0..n-1: the same for every slice of one seed."""
+    """The (role, fault) of runs 0..n-1, the same for every slice of one seed: every block of 30
+    runs gives each role 5 runs (SIGKILL and SIGSTOP 3/2 or 2/3), in a random order."""
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        role = rng.choice(ROLES)
-        out.append((role, "link cut" if role == "host link" else rng.choice(["SIGKILL", "SIGSTOP"])))
-    return out
+    out: list[tuple[str, str]] = []
+    while len(out) < n:
+        block = []
+        for role in ROLES:
+            faults = ["link cut"] * 5 if role == "host link" else ["SIGKILL", "SIGSTOP"] * 2 + [rng.choice(
+                ["SIGKILL", "SIGSTOP"])]
+            block += [(role, f) for f in faults]
+        rng.shuffle(block)
+        out += block
+    return out[:n]
 
 
 def run_one(setting: Setting, index: int, role: str, fault: str, seed: int) -> dict:
