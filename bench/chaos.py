@@ -411,9 +411,10 @@ def link_run(setting: Setting, rng: random.Random, out: Path) -> dict:
 
 
 def api_worker_run(setting: Setting, fault: str, rng: random.Random) -> dict:
+    expected = setting.expected  # (publishes the versions' own stores, the first time)
     with Api(f"file://{setting.work / 'store-v2'}", setting.probe, workers=2) as api:
         wait_for(lambda: len(api.workers()) == 2 and api.answer_of("v2"), "two workers serving v2", every=0.2)
-        load = Load(api, setting.expected)
+        load = Load(api, expected)
         at = rng.randrange(5, 40)
         wait_for(lambda: len(load.answers) >= at, "requests")
         victim = rng.choice(api.workers())
@@ -469,12 +470,13 @@ def redis_run(setting: Setting, fault: str, rng: random.Random, work: Path) -> d
     if shutil.which("redis-server") is None:
         return {"skipped": "redis-server is not installed"}
     shutil.rmtree(work, ignore_errors=True)
+    expected = setting.expected
     redis = Redis(work)
     try:
         assert publish(setting.versions["v1"], redis.url, "v1").returncode == 0
         with Api(redis.url, setting.probe, workers=2) as api:
             wait_for(lambda: api.answer_of("v1"), "v1 served", every=0.2)
-            load = Load(api, setting.expected)
+            load = Load(api, expected)
             at = rng.randrange(5, 40)
             wait_for(lambda: len(load.answers) >= at, "requests")
             kill(redis.proc.pid, getattr(signal, fault))

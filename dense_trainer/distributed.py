@@ -274,10 +274,12 @@ def write_rank_files(out: Path, roles: Roles, pids: list[int]) -> None:
             json.dumps({"rank": rank, "role": roles.describe(rank), "pid": pid, "host": socket.gethostname()}))
 
 
-def record_fault(out: Path, roles: Roles, rank: int, how: str, monitor: JobMonitor, master_alive: bool) -> None:
-    """``OUT/last-fault.json``: who was lost, how, and the step the job had reached (the master's
-    last beat; a resumed run reports the steps it redoes from it)."""
-    step = monitor.step(0, alive=master_alive and rank != 0)
+def record_fault(out: Path, roles: Roles, rank: int, how: str, monitor: JobMonitor, alive: list[bool]) -> None:
+    """``OUT/last-fault.json``: who was lost, how, and the step the job had reached (the trainers'
+    last beats, each live one's after it beats once more; a resumed run reports the steps it
+    redoes from it)."""
+    steps = [monitor.step(r, alive=alive[r] and r != rank) for r in range(roles.num_trainers)]
+    step = max((s for s in steps if s is not None), default=None)
     fault = {"rank": rank, "role": roles.describe(rank), "how": how, "step": step, "time": time.time()}
     (out / FAULT_FILE).write_text(json.dumps(fault))
 
@@ -322,7 +324,7 @@ def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, re
         failed = watch_ranks(procs, monitor, cfg.dist.timeout_s)
         if failed is not None:
             rank, how = failed
-            record_fault(out, roles, rank, how, monitor, procs[0].is_alive())
+            record_fault(out, roles, rank, how, monitor, [p.is_alive() for p in procs])
             for p in procs:  # the others cannot go on without it (servers ignore SIGTERM)
                 if p.is_alive():
                     p.kill()

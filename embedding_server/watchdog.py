@@ -85,14 +85,13 @@ class PeerBeats:
 
     def read(self, store: dist.TCPStore, now: float) -> None:
         for r in list(self.ranks):
-            if store.add(done_key(r), 0):  # it ended on its own: no longer watched
-                self.ranks.remove(r)
-                self.moved.pop(r, None)
-                continue
             n = store.add(beat_key(r), 0)  # reads without waiting (creates the counter at 0)
             if n != self.count[r]:
                 self.count[r] = n
                 self.moved[r] = now
+            elif r in self.moved and store.add(done_key(r), 0):  # quiet because it ended on its own
+                self.ranks.remove(r)
+                del self.moved[r]
 
     def silent(self, now: float) -> dict[int, float]:
         """Seconds since each seen rank's beat last moved."""

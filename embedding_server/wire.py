@@ -98,7 +98,10 @@ def decode_ids(blob: bytes) -> np.ndarray:
 #   3. pooled    float, server -> trainer: [B_t, sum of the server's piece dims], row-major
 #   4. grads     float, trainer -> server: the same layout as 3 (training only)
 #
-# Non-lookup commands (checkpoint, stop) are a header round alone.
+# Non-lookup commands (checkpoint, stop) are a header round alone. CHECKPOINT's header (the
+# master's; ``table_snapshot.CutRequest``): [3, step, base step + 1 (0: a full checkpoint),
+# 0: written in the background | 1: everyone waits until it is current | 3: only wait for the
+# checkpoint already taken at this step].
 
 from enum import IntEnum  # noqa: E402
 
