@@ -40,6 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_status(code: int) -> int:
+    """The status of a failed command (ending the process at once while a checkpoint writer is
+    busy: see ``embedding_server.ckpt_writer.exit_status``)."""
+    if "embedding_server.ckpt_writer" not in sys.modules:
+        return code
+    from embedding_server.ckpt_writer import exit_status as writer_exit_status
+
+    return writer_exit_status(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -50,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("DLRM_DEBUG"):
             raise
         print(f"dlrm {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(2)
     except BrokenPipeError:  # e.g. `dlrm ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt as exc:
         print(f"dlrm {args.command}: {exc or 'interrupted'}", file=sys.stderr)
-        return 130
+        return exit_status(130)
 
 
 if __name__ == "__main__":

@@ -73,9 +73,23 @@ class TrainConfig(Section):
     eval_max_rows: int = Field(default=200_000, ge=0)
     """Rows of the test set used by periodic evaluations (0: all); the final one uses all."""
     checkpoint_every_steps: int = Field(default=1000, ge=0)
-    """Write a checkpoint every this many steps (0: only at the end)."""
+    """Write a full checkpoint every this many steps (0: only at the end). Checkpoints are written
+    in the background while training goes on; one due while the previous is still being written
+    is skipped."""
+    checkpoint_every_s: float = Field(default=0.0, ge=0)
+    """Also write a full checkpoint every this many seconds (0: by steps only)."""
+    checkpoint_delta_every_s: float = Field(default=0.0, ge=0)
+    """Between full checkpoints, write a delta every this many seconds: the rows changed since
+    the last checkpoint and the dense state, so that a lost job redoes at most about this much
+    work (0: no deltas)."""
+    checkpoint_max_deltas: int = Field(default=30, ge=1)
+    """A chain of this many deltas is compacted: the next checkpoint is a full one (a restore
+    reads the full checkpoint and its deltas)."""
+    checkpoint_write_bytes_per_s: float = Field(default=0.0, ge=0)
+    """Rate limit of every process's background checkpoint writes (0: none), to leave the disk
+    to the input pipeline."""
     keep_checkpoints: int = Field(default=2, ge=1)
-    """Checkpoints kept on disk; older ones are deleted."""
+    """Full checkpoints kept on disk (with the deltas of the newest); older ones are deleted."""
     max_steps: int = Field(default=0, ge=0)
     """Stop after this many steps in all (0: run all epochs); a resumed run counts from 0."""
     seed: int = 0

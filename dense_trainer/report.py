@@ -59,6 +59,12 @@ def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
         "embedding_servers": trainer.cluster.roles.num_servers if trainer.cluster else 0,
         "step_time_breakdown_ms": {k.removesuffix("_s"): 1e3 * v / max(s.step, 1) for k, v in trainer.timings.items()},
     }
+    if trainer.is_master:  # what the run's checkpoints wrote, and the fault it resumed from
+        done = trainer.checkpoints.finalizer.completed
+        metrics["checkpoints"] = {"written": len(done), "skipped": trainer.checkpoints.skipped,
+                                  "longest_s": max((c["seconds"] for c in done), default=None),
+                                  "last": done[-1] if done else None}
+        metrics["resumed_after_fault"] = trainer.resumed
     if cfg_losses := trainer.step_losses:
         metrics["step_losses"] = cfg_losses
     trainers = [r for r in (cluster_stats or {}).get("ranks", []) if "rows_parsed" in r]

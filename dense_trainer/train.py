@@ -28,8 +28,15 @@ import torch.distributed as dist
 import torch.nn.functional as nnf
 from torch.nn.parallel import DistributedDataParallel
 
-from dense_trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from dense_trainer.checkpointing import (
+    TrainerCheckpoints,
+    TrainState,
+    fault_report,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dense_trainer.config import Config, prepare_config
+from dense_trainer.data.elastic import Consumed
 from dense_trainer.data.loader import BatchLoader
 from dense_trainer.data.steps import Step, Steps, resume_positions
 from dense_trainer.metrics import log_loss_from_logits, roc_auc
@@ -119,6 +126,8 @@ class Trainer:
         self.live = None  # a LivePublisher while live updates run
         self.timings = {"embedding_forward_s": 0.0, "dense_forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
         self.step_losses: list[float] = []
+        self.checkpoints = TrainerCheckpoints(self)  # when to cut; writing and finishing them
+        self.resumed: dict | None = None  # the fault this run resumed from (OUT/last-fault.json)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -148,22 +157,48 @@ class Trainer:
         self.model.train()
         logits = self.forward(batch, prefetch)
         labels = batch.labels.to(self.device, non_blocking=True)
-        if self.trainers == 1:
+        rows = batch.batch_size if global_batch is None else global_batch
+        # A step of fewer rows than the batch size (an epoch's tail, where the trainers' shares
+        # run out unevenly) weighs by its rows: its loss is the sum over the batch size, so that
+        # the row-wise Adagrad of the tables does not take a full step on a handful of rows.
+        denominator = max(rows, self.cfg.train.batch_size)
+        if self.trainers == 1 and rows >= denominator:
             loss = nnf.binary_cross_entropy_with_logits(logits, labels)
             report = loss.detach()
+        elif self.trainers == 1:
+            total = nnf.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+            loss, report = total / denominator, total.detach() / rows
         else:
             total = nnf.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
-            loss = total * (self.trainers / global_batch)
-            report = total.detach() / global_batch
+            loss = total * (self.trainers / denominator)
+            report = total.detach() / rows
             dist.all_reduce(report, group=self.cluster.trainer_group)  # on the device: NCCL for CUDA
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss.backward()  # also sends the embedding gradients to the fused sparse optimizer
         t1 = time.perf_counter()
-        self.optimizer.step()
+        with self._partial_step(rows):
+            self.optimizer.step()
         self.timings["backward_s"] += t1 - t0
         self.timings["optimizer_s"] += time.perf_counter() - t1
         return report
+
+    @contextlib.contextmanager
+    def _partial_step(self, rows: int) -> Iterator[None]:
+        """... and moves the dense weights that much less (Adam's step does not shrink with its
+        gradient)."""
+        full = self.cfg.train.batch_size
+        if rows >= full:
+            yield
+            return
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["lr"] * rows / full
+        try:
+            yield
+        finally:
+            for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
+                g["lr"] = lr
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
@@ -192,20 +227,36 @@ class Trainer:
         return {"test_auc": roc_auc(z, y), "test_logloss": log_loss_from_logits(z, y), "test_rows": int(y.size)}
 
     def _steps(self, files, batch_size: int, epochs: int, starts: list[Position] | None = None,
-               max_rows: int = 0) -> Steps:
+               max_rows: int = 0, consumed: Consumed | None = None) -> Steps:
         """This process's shares of ``files`` as agreed steps: trainer r of T reads blocks r mod T
         (a single process with ``data.interleave = k`` reads all k shares, as k trainers would)."""
         d = self.cfg.data
         parts = self.trainers if self.trainers > 1 else max(1, d.interleave)
         mine = [self.rank] if self.trainers > 1 else list(range(parts))
-        starts = resume_positions(starts, parts)
+        training, block_bytes = starts is not None, d.block_bytes
+        if training:
+            block_bytes = self._block_grid(bool(starts))
+        starts, consumed = resume_positions(starts, parts, consumed)
+        if training:
+            self.state.consumed = consumed  # checkpoints keep it until the epoch ends
         loaders = [BatchLoader(
             files, self.spec, batch_size * (t + 1) // parts - batch_size * t // parts, num_workers=d.num_workers,
-            block_bytes=d.block_bytes, prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs,
+            block_bytes=block_bytes, prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs,
             start=starts[t], max_rows=max_rows // parts if max_rows else 0, pin_memory=self.device.type == "cuda",
-            part=t, parts=parts) for t in mine]
+            part=t, parts=parts, consumed=consumed) for t in mine]
         return Steps(loaders, len(self.spec.dense), len(self.spec.categorical), self._agree,
                      min(p.epoch for p in starts))
+
+    def _block_grid(self, resuming: bool) -> int:
+        """The training data's block size: a resumed run keeps its checkpoint's (positions are
+        block numbers and offsets on that grid)."""
+        s, wanted = self.state, self.cfg.data.block_bytes
+        if resuming and s.block_bytes and s.block_bytes != wanted:
+            log.warning("data.block_bytes = %d ignored until the end of this run: the checkpoint's positions are on "
+                        "a grid of %d-byte blocks", wanted, s.block_bytes)
+            return s.block_bytes
+        s.block_bytes = wanted
+        return wanted
 
     def loader(self, files, batch_size: int, epochs: int = 1, max_rows: int = 0) -> BatchLoader:
         """A plain loader of ``files`` with this run's data settings (one share: every row)."""
@@ -245,7 +296,8 @@ class Trainer:
         self.wait_for_master()  # servers restore their pieces meanwhile, however long it takes
         if self.cfg.live.store and self.live is None:
             self._start_live()
-        steps = self._steps(train_files, self.cfg.train.batch_size, self.cfg.train.epochs, self.state.positions)
+        steps = self._steps(train_files, self.cfg.train.batch_size, self.cfg.train.epochs, self.state.positions,
+                            consumed=self.state.consumed)
         steps.shares[0].loader.bad_lines.restore(self.state.bad_lines)
         self._parse_base = (0, 0.0)  # loader counters already folded into the state
         try:
@@ -258,6 +310,7 @@ class Trainer:
         if summary := steps.shares[0].loader.bad_lines.summary():
             log.warning(summary)
         self._checkpoint_with(steps)
+        self.checkpoints.close()
         if self._stop_signal is not None or self._peer_stopped:
             self._stop_cluster()
             raise KeyboardInterrupt(
@@ -291,7 +344,10 @@ class Trainer:
                     epoch = cur.epoch
                 s.data_wait_seconds += time.perf_counter() - t_last  # time the data kept us waiting
                 nxt = steps.next(self._stop_signal is not None)
-                loss = self.train_step(cur.batch, cur.global_rows, self._prefetch(cur, nxt))
+                # Decided before the step runs (the same on every trainer): ids of the next step
+                # must not be on their way while the servers cut a checkpoint.
+                kind = self.checkpoints.due(s.step + 1)
+                loss = self.train_step(cur.batch, cur.global_rows, None if kind else self._prefetch(cur, nxt))
                 if self.live is not None:
                     self.live.after_step(cur.batch.sparse)
                 s.step += 1
@@ -305,8 +361,8 @@ class Trainer:
                     on_step(s.step, float(loss))
                 if self._evaluation_due():
                     self._evaluate_into_history(test_files, final=False)
-                if cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0:
-                    self._checkpoint_with(steps)
+                if kind:  # in the background: training goes on
+                    self._checkpoint_with(steps, kind, wait=False)
                 t_last = time.perf_counter()
                 cur = nxt
             return True
@@ -325,8 +381,7 @@ class Trainer:
             return None
         if nxt is None or nxt.stop or nxt.epoch != cur.epoch or (cfg.max_steps and step >= cfg.max_steps):
             return None
-        if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (
-                cfg.checkpoint_every_steps and step % cfg.checkpoint_every_steps == 0):
+        if cfg.eval_every_steps and step % cfg.eval_every_steps == 0:
             return None
         return nxt.batch.sparse
 
@@ -344,8 +399,8 @@ class Trainer:
     def checkpoint_dir(self) -> Path:
         return self.out_dir / "checkpoints"
 
-    def save_checkpoint(self) -> Path:
-        return save_checkpoint(self)
+    def save_checkpoint(self, kind: str = "full", wait: bool = True) -> Path | None:
+        return save_checkpoint(self, kind, wait)
 
     def load_checkpoint(self, path: Path) -> None:
         """Restore the model, the tables and the run's state from checkpoint ``path``."""
@@ -362,8 +417,10 @@ class Trainer:
             log.warning("--resume: no checkpoint in %s; starting from the beginning", self.checkpoint_dir)
         else:
             self.load_checkpoint(ckpt)
+            if self.is_master:
+                self.resumed = fault_report(self, self.state, ckpt) or {"resumed_step": self.state.step}
 
-    def _checkpoint_with(self, steps: Steps) -> None:
+    def _checkpoint_with(self, steps: Steps, kind: str = "full", wait: bool = True) -> None:
         """Fold the loaders' counters into the state, gather every trainer's positions, checkpoint."""
         s = self.state
         loader = steps.shares[0].loader
@@ -380,7 +437,7 @@ class Trainer:
             dist.all_gather_object(parts, [p.to_dict() for p in mine], group=self.cluster.trainer_cpu_group)
             s.positions = [Position(**p) for part in parts for p in part]
         try:
-            self.save_checkpoint()
+            self.save_checkpoint(kind, wait)
         finally:
             s.positions = mine
 
@@ -428,7 +485,10 @@ class Trainer:
         publish = None
         if self.is_master:
             self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)
-            publish = lambda: self.live.start_from_checkpoint(checkpoint)  # noqa: E731
+
+            def publish() -> str:  # the others wait on the slow group: bounded by the bytes, as this is
+                with self.checkpoints.phase(f"publishing {checkpoint.name}"):
+                    return self.live.start_from_checkpoint(checkpoint)
         self.client.live_start(publish)
 
     def _evaluate_into_history(self, test_files: list[Path], final: bool) -> dict[str, float]:

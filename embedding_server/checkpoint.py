@@ -2,10 +2,16 @@
 
 A checkpoint is a directory ``step-<N>/`` of tensor files plus ``manifest.json`` (each file's
 BLAKE2b digest and size, the step, free-form metadata). Its files are written (by one process,
-or by every embedding server and the master trainer) into ``.step-<N>.partial/``, every file
-fsynced; then the manifest is written, the directory renamed into place, and the ``latest``
-pointer beside it replaced atomically last: a crash at any point leaves the previous checkpoint
-intact and current.
+or by every embedding server and the master trainer, each from a background thread) into
+``.step-<N>.partial/``, every file fsynced and digested *as it is written*; each writer then
+leaves a record of its files there (``writer-<name>.json``). The master merges the records into
+the manifest (nothing is read back), renames the directory into place and replaces the
+``latest`` pointer beside it atomically last: a crash at any point leaves the previous
+checkpoint intact and current.
+
+A checkpoint is *full* or a *delta*: a delta's manifest names its ``base``, the checkpoint it
+adds to (tables: only the rows changed since the base); restoring one reads its chain, the full
+checkpoint first (:func:`checkpoint_chain`). Pruning keeps the chain of ``latest``.
 Loading verifies every digest, then deserialises with ``torch.load(weights_only=True)``.
 """
 
@@ -26,6 +32,7 @@ from dlrm_core.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+RECORD_PREFIX = "writer-"
 _CHUNK = 8 << 20
 
 
@@ -61,12 +68,39 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def _save_file(path: Path, obj: Any) -> dict[str, Any]:
+class DigestWriter:
+    """A binary file that digests what is written to it (one pass: nothing is read back), and
+    paces itself to ``bytes_per_s`` when given (a rate limit on background checkpoint writes)."""
+
+    def __init__(self, f, bytes_per_s: float = 0.0) -> None:
+        self.f = f
+        self.hash = hashlib.blake2b(digest_size=32)
+        self.bytes = 0
+        self.bytes_per_s = bytes_per_s
+        self._t0 = time.monotonic()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.hash.update(view)
+        n = self.f.write(view)
+        self.bytes += len(view)
+        if self.bytes_per_s:
+            ahead = self.bytes / self.bytes_per_s - (time.monotonic() - self._t0)
+            if ahead > 0:
+                time.sleep(ahead)
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_file(path: Path, obj: Any, bytes_per_s: float = 0.0) -> dict[str, Any]:
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        out = DigestWriter(f, bytes_per_s)
+        torch.save(obj, out)
         f.flush()
         os.fsync(f.fileno())
-    return {"blake2b": file_digest(path), "bytes": path.stat().st_size}
+    return {"blake2b": out.hash.hexdigest(), "bytes": out.bytes}
 
 
 def partial_dir(root: Path, step: int, fresh: bool = False) -> Path:
@@ -81,34 +115,54 @@ def partial_dir(root: Path, step: int, fresh: bool = False) -> Path:
     return path
 
 
-def save_file(directory: Path, name: str, obj: Any) -> dict[str, Any]:
-    """Save one file of a checkpoint (fsynced); returns its manifest entry."""
+def save_file(directory: Path, name: str, obj: Any, bytes_per_s: float = 0.0) -> dict[str, Any]:
+    """Save one file of a checkpoint (fsynced, digested while written); returns its manifest entry."""
     try:
-        return _save_file(Path(directory) / name, obj)
+        return _save_file(Path(directory) / name, obj, bytes_per_s)
     except (OSError, RuntimeError) as exc:
         raise CheckpointError(f"cannot write checkpoint file {Path(directory) / name}: {exc}") from exc
 
 
-def finalize_checkpoint(root: Path, step: int, meta: dict[str, Any], keep: int = 2) -> Path:
+def write_record(directory: Path, writer: str, record: dict[str, Any]) -> None:
+    """A writer's account of its part of a partial checkpoint (its files and their digests, or
+    its error), written atomically once its files are durable."""
+    atomic_write_bytes(Path(directory) / f"{RECORD_PREFIX}{writer}.json", json.dumps(record).encode())
+
+
+def read_record(directory: Path, writer: str) -> dict[str, Any] | None:
+    path = Path(directory) / f"{RECORD_PREFIX}{writer}.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as exc:
+        return {"error": f"unreadable record {path.name}: {exc}"}
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:010d}"
+
+
+def finalize_checkpoint(root: Path, step: int, meta: dict[str, Any], keep: int = 2,
+                        files: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
     """Make the partial checkpoint ``step`` complete and current.
 
-    Every file already in the partial directory is digested into ``manifest.json``; then the
-    directory is renamed to ``step-<N>`` and ``latest`` replaced, atomically, in that order.
+    ``files`` (name -> entry) are the writers' own digests; without them every file in the
+    partial directory is digested here. ``extra`` adds manifest fields (``kind``, ``base``,
+    ``writers``). Then the directory is renamed to ``step-<N>``, ``latest`` replaced, atomically,
+    in that order, and old checkpoints pruned (:func:`prune`).
     """
     root = Path(root)
     tmp = root / f".step-{step:010d}.partial"
-    final = root / f"step-{step:010d}"
+    final = root / step_name(step)
     try:
-        files = {
-            p.name: {"blake2b": file_digest(p), "bytes": p.stat().st_size}
-            for p in sorted(tmp.iterdir())
-            if p.is_file() and p.name != MANIFEST
-        }
-        manifest = {"format": 2, "step": step, "created": time.time(), "files": files, "meta": meta}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        with open(tmp / MANIFEST, "rb+") as f:
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
+        if files is None:
+            files = {p.name: {"blake2b": file_digest(p), "bytes": p.stat().st_size}
+                     for p in sorted(tmp.iterdir())
+                     if p.is_file() and p.name != MANIFEST and not p.name.startswith(RECORD_PREFIX)}
+        manifest = {"format": 3, "step": step, "created": time.time(), "kind": "full", "base": None,
+                    **(extra or {}), "files": files, "meta": meta}
+        atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -117,10 +171,43 @@ def finalize_checkpoint(root: Path, step: int, meta: dict[str, Any], keep: int =
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
     atomic_write_bytes(root / LATEST, final.name.encode())
-    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    prune(root, keep, final)
     return final
+
+
+def checkpoint_chain(path: Path) -> list[Path]:
+    """The checkpoints that ``path`` is made of, oldest first: a full one, then its deltas."""
+    chain = [Path(path)]
+    while (base := read_manifest(chain[0]).get("base")) is not None:
+        prev = chain[0].parent / base
+        if not (prev / MANIFEST).exists():
+            raise CheckpointError(f"checkpoint {chain[0].name} is a delta of {base}, which is missing")
+        chain.insert(0, prev)
+    return chain
+
+
+def prune(root: Path, keep: int, latest: Path) -> None:
+    """Delete the checkpoints no longer needed: all but the chain of ``latest`` and the newest
+    ``keep - 1`` full checkpoints before it (deltas are compacted into the next full one), and
+    partial directories older than ``latest`` (abandoned)."""
+    root = Path(root)
+    needed = {p.name for p in checkpoint_chain(latest)}
+    older_full = [p for p in sorted(root.glob("step-*"), reverse=True)
+                  if p.name < latest.name and p.name not in needed and _is_full(p)]
+    needed.update(p.name for p in older_full[: max(keep - 1, 0)])
+    for old in root.glob("step-*"):
+        if old.name not in needed and old.name < latest.name:
+            shutil.rmtree(old, ignore_errors=True)
+    for partial in root.glob(".step-*.partial"):
+        if partial.name[1:16] < latest.name:
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _is_full(path: Path) -> bool:
+    try:
+        return read_manifest(path).get("base") is None
+    except CheckpointError:
+        return False
 
 
 def write_checkpoint(
@@ -141,14 +228,13 @@ def write_checkpoint(
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = partial_dir(root, step)
+    tmp = partial_dir(root, step, fresh=True)
     try:
-        for name, obj in files.items():
-            save_file(tmp, name, obj)
+        entries = {name: save_file(tmp, name, obj) for name, obj in files.items()}
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return finalize_checkpoint(root, step, meta, keep)
+    return finalize_checkpoint(root, step, meta, keep, files=entries)
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -24,6 +24,7 @@ from dlrm_core.schema import TableSpec
 
 if TYPE_CHECKING:
     from embedding_server.planner import ShardingPlan
+    from embedding_server.table_snapshot import CutRequest
     from embedding_server.towers.layout import TowerLayout
 
 
@@ -44,8 +45,10 @@ class EmbeddingClient(ABC):
         """
 
     @abstractmethod
-    def save(self, directory: Path, step: int) -> None:
-        """Write the tables and their optimizer state into a (partial) checkpoint directory."""
+    def checkpoint(self, cut: CutRequest) -> tuple[dict, dict] | None:
+        """Snapshot the tables' trained rows (and optimizer state) for checkpoint ``cut``: returns
+        (files, record) for this process's writer when the tables are here, None when whoever
+        holds them writes them (every trainer calls this at the same step)."""
 
     @abstractmethod
     def restore(self, checkpoint: Path) -> None:

@@ -56,7 +56,8 @@ class DistConfig(Section):
     server_memory: str | None = flag(None, "--server-memory")
     """Memory each embedding server may use for tables and optimizer state, e.g. "8GB"."""
     timeout_s: float = Field(default=60.0, gt=0)
-    """A lost rank ends the job within this many seconds, naming it (never a hang)."""
+    """A lost rank (dead, or silent: stopped, hung, cut off) ends the job within this many seconds,
+    naming it (never a hang); also the timeout of every step's collectives."""
     join_timeout_s: float = Field(default=600.0, gt=0)
     """How long ranks wait for each other at start-up (they may start in any order)."""
     pipeline: Literal["off", "exact", "semi-sync"] = flag("exact", "--pipeline")
@@ -68,6 +69,11 @@ class DistConfig(Section):
     trainer and server are on different hosts, else 1): a chunk's gradients are applied, and its
     rows looked up again, while the next chunk is on the wire, so that the two directions of a
     link overlap. Towers use 1."""
+    heartbeat_s: float = Field(default=1.0, gt=0)
+    """Seconds between a rank's heartbeats through the rendezvous store (its liveness signal)."""
+    io_min_bytes_per_s: float = Field(default=20e6, gt=0)
+    """The slowest storage throughput still counted as progress: restoring, publishing and
+    finishing a checkpoint may take timeout_s + their bytes / this, then count as stuck."""
     exchange_dtype: Literal["fp32", "fp16", "bf16"] = flag("fp32", "--exchange-dtype")
     """Type of pooled embeddings and gradients on the wire (fp16/bf16 halve the bytes)."""
     hosts: int = flag(0, "--hosts", ge=0)

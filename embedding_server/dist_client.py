@@ -36,6 +36,7 @@ from embedding_server.client import EmbeddingClient
 from embedding_server.cluster import Cluster
 from embedding_server.planner import ShardingPlan
 from embedding_server.sharding import SCHEMES
+from embedding_server.table_snapshot import CutRequest
 from embedding_server.transport import GRADS, POOLED, Pending
 from embedding_server.wire import EXCHANGE_DTYPES, Command, id_message, ids_dtype, pack_ids
 
@@ -222,12 +223,12 @@ class DistributedEmbeddingClient(EmbeddingClient):
         payloads = [pack_ids([routed[(f, id(p))] for f, p in slots], self.id_dtype) for slots in self.server_slots]
         return payloads, bag_lengths
 
-    def _command(self, command: Command, arg: int = 0) -> None:
-        """A header-only message to every server (checkpoint, live start, stop)."""
+    def _command(self, command: Command, arg: int = 0, payload: list[int] | None = None) -> None:
+        """A message without ids to every server (checkpoint, live start, stop)."""
         self._drain_sends()
-        empty = torch.zeros(0, dtype=self.id_dtype)
+        body = torch.tensor(payload or [], dtype=self.id_dtype)
         t0 = time.perf_counter()
-        self.transport.send_ids([id_message(command, arg, 0, empty)] * self.roles.num_servers).wait()
+        self.transport.send_ids([id_message(command, arg, 0, body)] * self.roles.num_servers).wait()
         self._stats["comm_s"] += time.perf_counter() - t0
 
     def _start(self, sparse: SparseFeatures, command: Command) -> _InFlight:
@@ -297,10 +298,11 @@ class DistributedEmbeddingClient(EmbeddingClient):
             inflight = self._start(sparse, Command.LOOKUP_TRAIN)
         return _DistributedLookup.apply(self._placeholder, self, inflight)
 
-    def save(self, directory: Path, step: int) -> None:
-        """Every trainer calls this at the same step: servers write their pieces, then all meet."""
-        self._command(Command.CHECKPOINT, step)
-        dist.barrier()
+    def checkpoint(self, cut: CutRequest) -> None:
+        """Every trainer calls this at the same step: each server snapshots its pieces and writes
+        them in the background (the master's message carries the cut)."""
+        arg, payload = cut.message()
+        self._command(Command.CHECKPOINT, arg, payload)
 
     def restore(self, checkpoint: Path) -> None:
         """Servers restore their own pieces when they start (see ``EmbeddingServer.restore``)."""

@@ -6,7 +6,8 @@ optimizer) and answers the trainers, one id message from every trainer per round
     LOOKUP_TRAIN   ids in -> one fused lookup over every trainer's examples -> pooled out ->
                    gradients in -> backward, which applies the optimizer to the touched rows
     LOOKUP_EVAL    the same without gradients
-    CHECKPOINT     save the pieces and their optimizer state into the partial checkpoint
+    CHECKPOINT     snapshot the pieces' trained rows and optimizer state; a background thread
+                   writes them into the partial checkpoint (``server_checkpoint.py``)
     LIVE_START     start pushing changed rows to the serving store's current (live) version
     STOP           report timings and leave
 
@@ -26,20 +27,22 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import FeatureSpec
-from embedding_server.checkpoint import partial_dir, save_file
+from embedding_server.ckpt_writer import CheckpointWriter
 from embedding_server.cluster import Cluster
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
 from embedding_server.live import LivePusher
 from embedding_server.planner import ShardingPlan
+from embedding_server.server_checkpoint import ServerCheckpoints
 from embedding_server.shard import EmbeddingShard, ShardSet
-from embedding_server.table_checkpoint import CheckpointTables, shard_payload
+from embedding_server.table_checkpoint import CheckpointTables
+from embedding_server.table_snapshot import CutRequest
 from embedding_server.transport import GRADS, POOLED
 from embedding_server.wire import EXCHANGE_DTYPES, Command, ids_dtype, parse_id_message, unpack_ids
 
@@ -59,8 +62,8 @@ class ServerStage(Protocol):
         """pooled float [sum_r B_r, width] (rows by trainer); batches: B_r of each trainer.
         Returns the update still to run (None when there is none)."""
 
-    def save(self, directory: Path) -> None:
-        """Write the stage's own state (if any) into a partial checkpoint."""
+    def snapshot(self) -> dict[str, Any]:
+        """Copies of the stage's own state (if any): checkpoint file name -> object."""
 
     def restore(self, checkpoint: Path) -> None:
         """Restore the stage's own state (if any)."""
@@ -104,8 +107,8 @@ class FlatStage:
 
         return update
 
-    def save(self, directory: Path) -> None:
-        pass
+    def snapshot(self) -> dict[str, Any]:
+        return {}
 
     def restore(self, checkpoint: Path) -> None:
         pass
@@ -124,11 +127,13 @@ class EmbeddingServer:
         checkpoint_root: the job's checkpoints directory.
         stage: builds the stage from this server (default: the flat one).
         chunks: gradient / pooled messages per trainer and step (``transport.exchange_chunks``).
+        writer: its background checkpoint writer (default: unthrottled).
     """
 
     def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, embedding: EmbeddingConfig,
                  dist: DistConfig, live: LiveConfig, seed: int, checkpoint_root: Path,
-                 stage: Callable[[EmbeddingServer], ServerStage] | None = None, chunks: int = 1) -> None:
+                 stage: Callable[[EmbeddingServer], ServerStage] | None = None, chunks: int = 1,
+                 writer: CheckpointWriter | None = None) -> None:
         self.cluster = cluster
         self.roles = cluster.roles
         self.index = self.roles.server_index(cluster.rank)
@@ -143,7 +148,7 @@ class EmbeddingServer:
         self.shards = [self._chunk_shard(a, b, embedding, seed) for a, b in self.chunks]
         self.shard = ShardSet(self.shards) if self.shards else None
         self.width = sum(p.dim for _, p in self.slots)
-        self.checkpoint_root = Path(checkpoint_root)
+        self.checkpoints = ServerCheckpoints(checkpoint_root, self.index, writer)
         self.wire_dtype = EXCHANGE_DTYPES[dist.exchange_dtype]
         self.timings = {"lookup_s": 0.0, "update_s": 0.0, "wait_s": 0.0}
         self.steps = 0
@@ -185,6 +190,7 @@ class EmbeddingServer:
             if command != Command.LOOKUP_TRAIN:
                 self._flush()  # every command but a training lookup sees all updates applied
             if command == Command.STOP:
+                self.checkpoints.close(self.cluster.slow_timeout_s or 600.0)
                 if self.live is not None:
                     self.live.close()
                 return {"server": self.index, "steps": self.steps, **self.timings, **self.transport.stats}
@@ -192,10 +198,12 @@ class EmbeddingServer:
                 holder = [None]  # the version the master publishes now (it may take minutes)
                 dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
                 self.start_live(holder[0])
-            elif command == Command.CHECKPOINT:
-                self.save(messages[0][1])
-                dist.barrier()
-                dist.barrier(group=self.cluster.slow_group)  # while the master finalises it
+            elif command == Command.CHECKPOINT:  # the master's message carries the cut
+                cut = CutRequest.from_message(messages[0][1], messages[0][3].tolist())
+                if not cut.taken:
+                    self.checkpoints.cut(self, cut)
+                if cut.wait:
+                    dist.barrier(group=self.cluster.slow_group)  # while the master finishes it
             else:
                 self.lookup(messages, train=command == Command.LOOKUP_TRAIN)
 
@@ -267,9 +275,3 @@ class EmbeddingServer:
             lambda: [self.shard.table_weights()[n] for n in names], self.live_config.push_every_s,
         )
         log.info("server %d pushes live updates (version %s)", self.index, version)
-
-    def save(self, step: int) -> None:
-        directory = partial_dir(self.checkpoint_root, step)
-        if self.shard is not None:
-            save_file(directory, f"embeddings-server-{self.index}.pt", shard_payload(self.shard))
-        self.stage.save(directory)

@@ -18,11 +18,11 @@ from torch import nn
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
-from embedding_server.checkpoint import save_file
 from embedding_server.client import EmbeddingClient
 from embedding_server.local_table import LocalTable, init_rows
-from embedding_server.optimizers import SparseOptimizerConfig
-from embedding_server.table_checkpoint import CheckpointTables, shard_payload
+from embedding_server.optimizers import SparseOptimizerConfig, state_shapes
+from embedding_server.table_checkpoint import CheckpointTables
+from embedding_server.table_snapshot import CutRequest, TouchedRows, snapshot_tables
 from embedding_server.tbe import TBEKernel, fbgemm_supports
 from embedding_server.torch_kernel import TorchKernel
 
@@ -98,7 +98,10 @@ class EmbeddingShard(nn.Module):
             if torch.equal(order, torch.arange(order.numel()))
             else torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).to(device)
         )
+        self.seed = seed
         self.reset_parameters(seed)
+        self.touched = TouchedRows([t.spec.rows for t in tables])
+        """Rows trained (what checkpoints write: ``table_snapshot.py``)."""
 
     @property
     def output_dim(self) -> int:
@@ -123,6 +126,9 @@ class EmbeddingShard(nn.Module):
         """Pooled embeddings of every bag: ids of F features for B examples -> float [B, sum(D_f)]."""
         if not self.kernels:  # a model without categorical features
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
+        if torch.is_grad_enabled():  # a training lookup: its rows are updated on backward
+            for f, piece in enumerate(self.feature_map):
+                self.touched.mark(piece, sparse.feature_values(f)[0].cpu())
         if len(self.kernels) == 1 and self._unpermute is None:  # one kernel, features in order
             return self.kernels[0](sparse.values, sparse.offsets)
         outs = [
@@ -149,6 +155,10 @@ class EmbeddingShard(nn.Module):
             for t, s in zip(group, kernel.states(), strict=True):
                 views[t] = s
         return views
+
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the optimizer states of each table (``momentum1``, ``exp_avg``...)."""
+        return tuple(state_shapes(self.optimizer_config.kind, 1, 1))
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """Each table piece's weights (views, not copies), by table name."""
@@ -191,6 +201,12 @@ class ShardSet:
         self.local_tables = [t for shard in shards for t in shard.local_tables]
         self.optimizer_config = shards[0].optimizer_config
         self.kernel_name = shards[0].kernel_name
+        self.seed, self.init_scale = shards[0].seed, shards[0].init_scale
+        self.kernels = [k for shard in shards for k in shard.kernels]
+        self.touched = _TouchedSet([shard.touched for shard in shards])
+
+    def state_names(self) -> tuple[str, ...]:
+        return self.shards[0].state_names()
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         return {name: w for shard in self.shards for name, w in shard.table_weights().items()}
@@ -201,6 +217,29 @@ class ShardSet:
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
         for shard in self.shards:
             shard.import_state(state)
+
+
+class _TouchedSet:
+    """The trained rows of a :class:`ShardSet`'s pieces, piece i being the i-th piece of the set."""
+
+    def __init__(self, parts: list[TouchedRows]) -> None:
+        self.parts = parts
+        self.where = [(p, i) for p in parts for i in range(len(p.last))]
+
+    def since(self, piece: int, base_step: int | None) -> torch.Tensor:
+        part, i = self.where[piece]
+        return part.since(i, base_step)
+
+    def restored(self, piece: int, ids: torch.Tensor, step: int) -> None:
+        part, i = self.where[piece]
+        part.restored(i, ids, step)
+
+    def close_cut(self, step: int) -> None:
+        for part in self.parts:
+            part.close_cut(step)
+
+    def count(self) -> int:
+        return sum(part.count() for part in self.parts)
 
 
 class InProcessEmbeddingClient(EmbeddingClient):
@@ -247,8 +286,14 @@ class InProcessEmbeddingClient(EmbeddingClient):
         """One process holds everything: publishing is all there is to do."""
         return publish() if publish is not None else ""
 
-    def save(self, directory: Path, step: int) -> None:
-        save_file(directory, "embeddings.pt", shard_payload(self.shard))
+    def checkpoint(self, cut: CutRequest) -> tuple[dict, dict]:
+        """The tables are here: their trained rows (changed since the cut's base), for this
+        process's writer."""
+        if cut.taken:
+            return {}, {}
+        files, record = snapshot_tables(self.shard, cut.base_step, "embeddings")
+        self.shard.touched.close_cut(cut.step)
+        return files, record
 
     def restore(self, checkpoint: Path) -> None:
         CheckpointTables(checkpoint).load_into(self.shard)

@@ -1,107 +1,218 @@
 """Embedding tables in checkpoints, in any sharding, read back in any other.
 
-Each process that holds tables writes one file (``embeddings.pt`` for a single process,
-``embeddings-server-<k>.pt`` for embedding server k)::
-
-    {"pieces": {table: [[row_start, rows, col_start, dim], ...]},   # what this file holds
-     "tensors": {"<table>.<state>@<i>": tensor},                      # i-th piece of the table
-     "step": int}
-
-:class:`CheckpointTables` indexes every such file of a checkpoint (memory-mapped, so nothing is
-read until asked) and assembles any row/column range of any table from whichever pieces overlap
-it. That is resharding: a checkpoint written by 2 servers restores onto 1 or 3, or onto a single
-process, and publishing streams full tables from it in chunks.
+Every process that holds tables writes, per table piece, the rows it trained
+(``table_snapshot.py``); the manifest's ``writers`` describe every piece of every writer. A
+table is read as its initial state (regenerated from the per-block seeds, the optimizer's start
+values) with the saved rows of the checkpoint's chain laid over it: the full checkpoint first,
+then each delta. :class:`CheckpointTables` indexes the pieces from the manifests alone, opens a
+piece's file (memory-mapped, digest verified) only when a read overlaps it, and assembles any
+row/column range of any table from whichever pieces overlap it. That is resharding: a
+checkpoint written by 2 servers restores onto 1 or 3, or onto a single process, reading only
+the pieces each needs; publishing streams full tables from it in chunks.
 
 Row-wise Adagrad keeps one accumulator per row and piece. A column-wise piece's accumulator
 averages g^2 over its own columns; reassembling a whole row takes the dim-weighted mean of the
 column pieces' accumulators, which is exactly the whole row's.
+
+Checkpoints of the previous format (one file per writer, every row) are read as well.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dlrm_core.errors import CheckpointError
-from embedding_server.checkpoint import load_file, read_manifest
-from embedding_server.local_table import LocalTable
+from dlrm_core.schema import TableSpec
+from embedding_server.checkpoint import checkpoint_chain, load_file, read_manifest
+from embedding_server.local_table import INIT_BLOCK_ROWS, LocalTable, init_rows
 
-ROW_STATES = {"momentum1"}
-"""States with one value per row (row-wise Adagrad); others are [rows, dim]."""
+CHUNK_ROWS = 16 * INIT_BLOCK_ROWS
+"""Rows restored at once (whole seed blocks): bounds the memory a restore adds."""
 
 
-def shard_payload(shard) -> dict:
-    """What an embedding shard (``shard.EmbeddingShard``) writes into a checkpoint (views, not copies)."""
-    state = shard.export_state()
-    pieces: dict[str, list[list[int]]] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    for local in shard.local_tables:
-        name = local.table.name
-        spec = local.spec
-        i = len(pieces.setdefault(name, []))
-        pieces[name].append([local.row_start, spec.rows, local.col_start, spec.dim])
-        for key, value in state.items():
-            if key.startswith(f"{name}."):
-                tensors[f"{key}@{i}"] = value
-    return {"pieces": pieces, "tensors": tensors, "step": int(state["step"])}
+@dataclass(frozen=True)
+class SavedPiece:
+    """A table piece as one writer saved it in one checkpoint of a chain."""
+
+    layer: Path
+    file: str | None
+    """Its file (None: no row of it was written)."""
+    row_start: int
+    rows: int
+    col_start: int
+    dim: int
+    legacy: int | None = None
+    """Previous format: the piece's number in its writer's file (every row saved)."""
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    index: int
+    rows: int
+    dim: int
 
 
 class CheckpointTables:
-    """Every table piece of a checkpoint, readable by row and column range."""
+    """Every table piece of a checkpoint (and of the checkpoints it is a delta of), readable by
+    row and column range."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        names = [n for n in read_manifest(self.path)["files"] if n.startswith("embeddings")]
+        self.chain = checkpoint_chain(self.path)
+        self.tables: dict[str, TableInfo] = {}
+        self.init: dict | None = None  # seed, init_scale, initial states, row states (None: every row saved)
+        self.step = 0  # the fused optimizer's step count
+        self.layers = [self._index(layer) for layer in self.chain]
+        self.last_step = int(read_manifest(self.path)["step"])
+        for layer in self.layers:
+            self._check_coverage(layer)
+        self._files: dict[tuple[Path, str], dict] = {}
+
+    # -- the index ------------------------------------------------------------------------------
+
+    def _index(self, layer: Path) -> dict[str, list[SavedPiece]]:
+        manifest = read_manifest(layer)
+        out: dict[str, list[SavedPiece]] = {}
+        if "writers" not in manifest:
+            return self._index_legacy(layer, manifest)
+        for record in manifest["writers"].values():
+            if "init" in record:
+                self.init = record["init"]
+                self.step = int(record.get("kernel_step", 0))
+            for p in record.get("pieces", []):
+                self.tables[p["table"]] = TableInfo(p["index"], p["table_rows"], p["table_dim"])
+                out.setdefault(p["table"], []).append(
+                    SavedPiece(layer, p["file"], p["row_start"], p["rows"], p["col_start"], p["dim"]))
+        if not out:
+            raise CheckpointError(f"checkpoint {layer} holds no embedding tables")
+        return out
+
+    def _index_legacy(self, layer: Path, manifest: dict) -> dict[str, list[SavedPiece]]:
+        names = sorted(n for n in manifest["files"] if n.startswith("embeddings"))
         if not names:
-            raise CheckpointError(f"checkpoint {self.path} holds no embedding tables")
-        self.files = [load_file(self.path, n, mmap=True) for n in sorted(names)]
-        self.index: dict[str, list[tuple[int, int, int, int, dict, int]]] = {}
-        for payload in self.files:
+            raise CheckpointError(f"checkpoint {layer} holds no embedding tables")
+        out: dict[str, list[SavedPiece]] = {}
+        for name in names:
+            payload = self._load(layer, name)
+            self.step = max(self.step, int(payload.get("step", 0)))
             for table, pieces in payload["pieces"].items():
                 for i, (r0, rows, c0, dim) in enumerate(pieces):
-                    self.index.setdefault(table, []).append((r0, rows, c0, dim, payload["tensors"], i))
-        self.step = max(int(p.get("step", 0)) for p in self.files)
+                    out.setdefault(table, []).append(SavedPiece(layer, name, r0, rows, c0, dim, legacy=i))
+        for table, pieces in out.items():
+            self.tables[table] = TableInfo(-1, max(p.row_start + p.rows for p in pieces),
+                                           max(p.col_start + p.dim for p in pieces))
+        return out
 
-    def read(self, table: str, state: str, row_start: int, rows: int, col_start: int = 0, dim: int | None = None) -> torch.Tensor:
+    def _check_coverage(self, layer: dict[str, list[SavedPiece]]) -> None:
+        for table, pieces in layer.items():
+            info = self.tables[table]
+            for i, a in enumerate(pieces):
+                for b in pieces[i + 1:]:
+                    if (a.row_start < b.row_start + b.rows and b.row_start < a.row_start + a.rows
+                            and a.col_start < b.col_start + b.dim and b.col_start < a.col_start + a.dim):
+                        raise CheckpointError(f"checkpoint {a.layer}: table {table} has overlapping pieces (stale files?)")
+            if sum(p.rows * p.dim for p in pieces) != info.rows * info.dim:
+                raise CheckpointError(f"checkpoint {pieces[0].layer}: table {table} rows 0..{info.rows} are not all "
+                                      "saved (a writer is missing)")
+
+    def _load(self, layer: Path, name: str) -> dict:
+        key = (layer, name)
+        if key not in self._files:
+            self._files[key] = load_file(layer, name, mmap=True)  # digest verified once
+        return self._files[key]
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _rows(self, p: SavedPiece, table: str, state: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Saved local rows of ``p`` in [lo, hi) and their ``state`` values."""
+        payload = self._load(p.layer, p.file)
+        if p.legacy is not None:
+            values = payload["tensors"].get(f"{table}.{state}@{p.legacy}")
+            ids = torch.arange(lo, hi)
+            values = values[lo:hi] if values is not None else None
+        else:
+            all_ids = payload["ids"]
+            i0, i1 = (int(x) for x in torch.searchsorted(all_ids, torch.tensor([lo, hi])))
+            ids, values = all_ids[i0:i1], payload[state][i0:i1] if state in payload else None
+        if values is None:
+            raise CheckpointError(f"checkpoint {p.layer}: table {table} has no {state!r} state")
+        return ids, values
+
+    def _initial(self, table: str, state: str, row_start: int, rows: int, col_start: int, dim: int,
+                 per_row: bool) -> torch.Tensor:
+        info = self.tables[table]
+        if self.init is None:  # previous format: every row is saved
+            return torch.zeros((rows,) if per_row else (rows, dim))
+        if state == "weight":
+            local = LocalTable(TableSpec(name=table, rows=info.rows, dim=info.dim), info.index, row_start, col_start,
+                               rows, dim)
+            return init_rows(local, self.init["seed"], self.init["init_scale"])
+        return torch.full((rows,) if per_row else (rows, dim), float(self.init["initial"].get(state, 0.0)))
+
+    def is_row_state(self, state: str) -> bool:
+        if self.init is not None:
+            return state in self.init.get("row_states", [])
+        return state == "momentum1" and self._legacy_row_state(state)
+
+    def _legacy_row_state(self, state: str) -> bool:
+        for layer in self.layers:
+            for table, pieces in layer.items():
+                p = pieces[0]
+                t = self._load(p.layer, p.file)["tensors"].get(f"{table}.{state}@{p.legacy}")
+                return t is not None and t.dim() == 1
+        return False
+
+    def read(self, table: str, state: str, row_start: int, rows: int, col_start: int = 0,
+             dim: int | None = None, initial: bool = True) -> torch.Tensor:
         """``state`` of rows [row_start, +rows) and columns [col_start, +dim) of ``table``.
 
-        Returns float [rows, dim] (or [rows] for row-wise states).
+        Returns float [rows, dim] (or [rows] for row-wise states). ``initial=False``: rows that
+        no checkpoint saved are left at zero (for a caller that holds them already).
         """
-        pieces = self.index.get(table)
-        if not pieces:
+        info = self.tables.get(table)
+        if info is None:
             raise CheckpointError(f"checkpoint {self.path} has no table {table}")
-        table_dim = max(c0 + d for _, _, c0, d, _, _ in pieces)
-        if dim is None:
-            dim = table_dim - col_start
-        per_row = state in ROW_STATES
-        out = torch.zeros((rows,) if per_row else (rows, dim))
-        weight = torch.zeros(rows)  # per-row states: the columns their pieces span
-        # Which pieces hold each cell: every column of the table for per-row states (a row's
-        # accumulator is the dim-weighted mean over all its column pieces), else the asked ones.
-        c_lo, c_hi = (0, table_dim) if per_row else (col_start, col_start + dim)
-        covered = torch.zeros((rows, c_hi - c_lo), dtype=torch.int16)
-        for r0, prow, c0, pdim, tensors, i in pieces:
-            a, b = max(r0, row_start), min(r0 + prow, row_start + rows)
-            ca, cb = max(c0, c_lo), min(c0 + pdim, c_hi)
-            if a >= b or ca >= cb:
-                continue
-            src = tensors.get(f"{table}.{state}@{i}")
-            if src is None:
-                raise CheckpointError(f"checkpoint {self.path}: table {table} has no {state!r} state")
-            if per_row:
-                out[a - row_start : b - row_start] += src[a - r0 : b - r0].float() * pdim
-                weight[a - row_start : b - row_start] += pdim
-            else:
-                out[a - row_start : b - row_start, ca - col_start : cb - col_start] = src[a - r0 : b - r0, ca - c0 : cb - c0]
-            covered[a - row_start : b - row_start, ca - c_lo : cb - c_lo] += 1
-        if bool((covered > 1).any()):
-            raise CheckpointError(f"checkpoint {self.path}: table {table} has overlapping pieces (stale files?)")
-        if not bool((covered == 1).all()):
-            raise CheckpointError(f"checkpoint {self.path}: table {table} rows {row_start}..{row_start + rows} are not all saved")
-        if per_row:
-            out /= weight
+        dim = info.dim - col_start if dim is None else dim
+        per_row = self.is_row_state(state)
+        out = (self._initial(table, state, row_start, rows, col_start, dim, per_row) if initial
+               else torch.zeros((rows,) if per_row else (rows, dim)))
+        for layer in self.layers:
+            self._overlay(out, layer.get(table, []), table, state, row_start, rows, col_start, dim, per_row)
         return out
+
+    def _overlay(self, out, pieces, table, state, row_start, rows, col_start, dim, per_row) -> None:
+        """Lay one checkpoint's saved rows over ``out``."""
+        acc = torch.zeros(rows, dtype=torch.float64) if per_row else None
+        weight = torch.zeros(rows, dtype=torch.float64) if per_row else None
+        for p in pieces:
+            a, b = max(p.row_start, row_start), min(p.row_start + p.rows, row_start + rows)
+            ca, cb = max(p.col_start, col_start), min(p.col_start + p.dim, col_start + dim)
+            if a >= b or p.file is None or (not per_row and ca >= cb):
+                continue
+            ids, values = self._rows(p, table, state, a - p.row_start, b - p.row_start)
+            at = ids + (p.row_start - row_start)  # positions in out
+            if per_row:  # every column piece of the row counts, weighted by its dim
+                acc[at] += values.double() * p.dim
+                weight[at] += p.dim
+            else:
+                out[at, ca - col_start : cb - col_start] = values[:, ca - p.col_start : cb - p.col_start].float()
+        if per_row:
+            have = weight > 0
+            out[have] = (acc[have] / weight[have]).float()
+
+    def saved_rows(self, table: str, row_start: int, rows: int) -> torch.Tensor:
+        """Rows of [row_start, +rows) that some checkpoint of the chain saved (local, sorted)."""
+        found = []
+        for layer in self.layers:
+            for p in layer.get(table, []):
+                a, b = max(p.row_start, row_start), min(p.row_start + p.rows, row_start + rows)
+                if a < b and p.file is not None:
+                    ids, _ = self._rows(p, table, "weight", a - p.row_start, b - p.row_start)
+                    found.append(ids + (p.row_start - row_start))
+        return torch.unique(torch.cat(found)) if found else torch.zeros(0, dtype=torch.int64)
 
     def state_for(self, tables: list[LocalTable], state_names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """The import_state() dict of a shard holding ``tables`` (any sharding)."""
@@ -113,8 +224,28 @@ class CheckpointTables:
                 out[f"{name}.{state}"] = self.read(name, state, local.row_start, spec.rows, local.col_start, spec.dim)
         return out
 
+    @torch.no_grad()
     def load_into(self, shard) -> None:
-        from embedding_server.optimizers import state_shapes
-
-        names = tuple(state_shapes(shard.optimizer_config.kind, 1, 1))
-        shard.import_state(self.state_for(shard.local_tables, names))
+        """Restore a freshly built shard (any sharding), a chunk of rows at a time. Rows no
+        checkpoint saved keep the shard's own initial state when it was seeded as the run was;
+        else they are regenerated."""
+        same_init = (self.init is not None and shard.touched.count() == 0 and shard.seed == self.init["seed"]
+                     and shard.init_scale == self.init["init_scale"])
+        state = shard.export_state()  # views
+        for i, local in enumerate(shard.local_tables):
+            spec, name = local.spec, local.table.name
+            saved = self.saved_rows(name, local.row_start, spec.rows)
+            for st in ("weight", *shard.state_names()):
+                dst = state[f"{name}.{st}"]
+                for r in range(0, spec.rows, CHUNK_ROWS):
+                    n = min(CHUNK_ROWS, spec.rows - r)
+                    if same_init:  # only the saved rows change
+                        sel = saved[(saved >= r) & (saved < r + n)]
+                        if sel.numel():
+                            part = self.read(name, st, local.row_start + r, n, local.col_start, spec.dim, initial=False)
+                            dst[sel] = part[sel - r].to(dst.dtype)
+                    else:
+                        dst[r : r + n] = self.read(name, st, local.row_start + r, n, local.col_start, spec.dim)
+            shard.touched.restored(i, saved, self.last_step)
+        for kernel in shard.kernels:
+            kernel.step = self.step

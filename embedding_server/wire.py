@@ -94,9 +94,13 @@ def decode_ids(blob: bytes) -> np.ndarray:
 #   ids      trainer -> server, int32 (int64 for pieces of 2^31 rows or more):
 #            [command, arg, B_r, payload length] + payload; the payload has, per slot (feature,
 #            piece) on that server, a one-hot flag, then values (one-hot) or lengths [B_r] and
-#            values. Non-lookup commands (checkpoint, live start, stop) are a header alone.
+#            values. Other commands (checkpoint, live start, stop) carry no ids.
 #   pooled   server -> trainer, float (the exchange dtype): [B_r, sum of the server's slot dims]
 #   grads    trainer -> server, the same layout (training lookups only)
+#
+# CHECKPOINT's message (the master's; ``table_snapshot.CutRequest``): argument = the step, payload
+# = [base step + 1 (0: a full checkpoint), 0: written in the background | 1: everyone waits until
+# it is current | 3: only wait for the checkpoint already taken at this step].
 
 from enum import IntEnum  # noqa: E402
 

@@ -68,11 +68,11 @@ def test_failed_write_leaves_previous_checkpoint_current(tmp_path, monkeypatch):
     real_save = ckpt._save_file
     calls = []
 
-    def disk_full_on_second_file(path, obj):
+    def disk_full_on_second_file(path, obj, *args):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        return real_save(path, obj)
+        return real_save(path, obj, *args)
 
     monkeypatch.setattr(ckpt, "_save_file", disk_full_on_second_file)
     with pytest.raises(CheckpointError, match="cannot write checkpoint .*No space"):

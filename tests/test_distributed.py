@@ -81,7 +81,9 @@ def test_checkpoint_of_two_servers_restores_onto_one_and_three(synth_small, tmp_
     launch_local(cfg, *files(synth_small), tmp_path / "run", resume=False)
     ckpt = latest_checkpoint(tmp_path / "run" / "checkpoints")
     saved = CheckpointTables(ckpt)
-    assert sorted(p.name for p in ckpt.glob("embeddings-server-*.pt")) == ["embeddings-server-0.pt", "embeddings-server-1.pt"]
+    # one file per piece that trained rows, named after its writer: both servers wrote theirs
+    assert {p.name.split(".")[0] for p in ckpt.glob("embeddings-server-*.pt")} == {"embeddings-server-0",
+                                                                                  "embeddings-server-1"}
     spec = cfg.feature_spec()
     for servers, strategy in [(1, "auto"), (3, "row_wise"), (3, "table_wise"), (2, "column_wise")]:
         plan = plan_sharding(spec, servers, "rowwise_adagrad", strategy)

@@ -34,7 +34,7 @@ class _Tables:
 
     def __getitem__(self, key):
         table, _ = key.split(".")
-        return self.ct.read(table, "weight", 0, sum(p[1] for p in self.ct.index[table] if p[2] == 0))
+        return self.ct.read(table, "weight", 0, self.ct.tables[table].rows)
 
 
 def checkpoint_tables(out):

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dense_trainer.data.elastic import Consumed
 from dlrm_core.batch import Batch, Position, SparseFeatures
 from dlrm_core.errors import DataError
 from dlrm_core.featurize import BadLine, ParsedBlock
@@ -83,6 +84,8 @@ class BatchLoader:
         part / parts: read only the blocks whose number is ``part`` modulo ``parts`` (trainer
             ``part`` of ``parts``: together they parse every row once); the others are skipped
             unparsed.
+        consumed: rows earlier runs with other numbers of trainers read (an elastic restart):
+            skipped.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class BatchLoader:
         pin_memory: bool = False,
         part: int = 0,
         parts: int = 1,
+        consumed: Consumed | None = None,
     ) -> None:
         self.files = [Path(f) for f in files]
         self.spec = spec
@@ -112,6 +116,7 @@ class BatchLoader:
         self.max_rows = max_rows
         self.pin_memory = pin_memory
         self.part, self.parts = part, parts
+        self.consumed = consumed
         self.bad_lines = BadLineLog(strict)
         self.stats = LoaderStats()
         self._reader = InputReader(spec, self.files)
@@ -186,12 +191,19 @@ class BatchLoader:
                 number += 1
                 if (number - 1) % self.parts != self.part:
                     continue  # another trainer's block
+                if self._consumed_rows(epoch, number - 1) is None:
+                    continue  # read by an earlier run (elastic restart)
                 job = pool.submit(self._timed_parse, raw) if pool else self._timed_parse(raw)
                 in_flight.append((job, raw.file_index, raw.offset, raw.line, len(raw.data), number - 1))
                 while len(in_flight) >= max_in_flight:
                     yield self._finish(in_flight.popleft())
         while in_flight:
             yield self._finish(in_flight.popleft())
+
+    def _consumed_rows(self, epoch: int, block: int) -> int | None:
+        if self.consumed is None or epoch != self.consumed.epoch:
+            return 0
+        return self.consumed.rows(block)
 
     def _timed_parse(self, raw) -> tuple[ParsedBlock, float]:
         t0 = time.perf_counter()
@@ -235,6 +247,9 @@ class BatchLoader:
                     block.cursor = min(self.start.rows_into_block, block.parsed.num_rows)
                     block.bad_reported = True
                     resuming = False
+                if done := self._consumed_rows(epoch, block.number):
+                    block.cursor = max(block.cursor, min(done, block.parsed.num_rows))
+                    block.bad_reported = True
                 pending.append(block)
                 have += block.parsed.num_rows - block.cursor
                 while have >= self.batch_size or (self.max_rows and emitted + have >= self.max_rows):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dense_trainer.data.elastic import Consumed
 from dense_trainer.data.loader import BatchLoader
 from dlrm_core.batch import Batch, Position, SparseFeatures
 
@@ -127,16 +128,26 @@ class Steps:
             s.close()
 
 
-def resume_positions(saved: list[Position] | None, parts: int) -> list[Position]:
-    """Where each of ``parts`` shares starts: the saved positions of a run with as many trainers;
-    with another number of trainers (an elastic restart), every share starts at the earliest
-    block any old trainer had not finished (the rows of later blocks some trainers had already
-    read are read again: at most one block per old trainer)."""
+def resume_positions(saved: list[Position] | None, parts: int,
+                     consumed: Consumed | None = None) -> tuple[list[Position], Consumed | None]:
+    """Where each of ``parts`` shares starts, and what earlier runs consumed of the current epoch.
+
+    The saved positions of a run with as many trainers are taken as they are. With another
+    number of trainers (an elastic restart), every share starts at the earliest block of the
+    epoch that some old trainer had not finished, and skips what the old trainers consumed
+    (``Consumed``, kept in later checkpoints until the epoch ends): every row is read once."""
     if not saved:
-        return [Position()] * parts
+        return [Position()] * parts, None
+    epoch = max(p.epoch for p in saved)
+    runs = consumed.runs if consumed is not None and consumed.epoch == epoch else []
     if len(saved) == parts:
-        return list(saved)
-    first = min(saved, key=lambda p: (p.epoch, p.block))
-    log.warning("resuming %d trainer(s) from a checkpoint of %d: every share restarts at block %d of epoch %d",
-                parts, len(saved), first.block, first.epoch)
-    return [Position(first.epoch, first.file_index, first.block_offset, first.block_line, 0, first.block)] * parts
+        return list(saved), Consumed(epoch, runs) if runs else None
+    current = [p for p in saved if p.epoch == epoch]
+    if len(current) < len(saved):  # some trainer had not started the epoch: its blocks are all left
+        start = Position(epoch=epoch)
+    else:
+        first = min(current, key=lambda p: p.block)
+        start = Position(epoch, first.file_index, first.block_offset, first.block_line, 0, first.block)
+    log.warning("resuming %d trainer(s) from a checkpoint of %d: the shares restart at block %d of epoch %d, "
+                "skipping the rows the old trainers read", parts, len(saved), start.block, epoch)
+    return [start] * parts, Consumed(epoch, [*runs, (len(saved), list(saved))])

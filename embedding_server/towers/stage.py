@@ -19,13 +19,14 @@ the rest.
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from embedding_server.checkpoint import load_file, save_file
+from embedding_server.checkpoint import load_file
 from embedding_server.optimizers import DenseOptimizerConfig, build_dense_optimizer
 from embedding_server.planner import ShardingPlan
 from embedding_server.sharding import SCHEMES
@@ -224,12 +225,13 @@ class TowerServerStage:
 
     # -- checkpoints ------------------------------------------------------------------------------
 
-    def save(self, directory: Path) -> None:
-        if self.server.index == self.group_servers[0]:  # one copy per tower
-            save_file(directory, f"tower-{self.tower}.pt", {
-                "module": self.module.state_dict(),
-                "optimizer": self.module_optimizer.state_dict() if self.module_optimizer else {},
-            })
+    def snapshot(self) -> dict:
+        if self.server.index != self.group_servers[0]:  # one copy per tower
+            return {}
+        return {f"tower-{self.tower}.pt": copy.deepcopy({
+            "module": self.module.state_dict(),
+            "optimizer": self.module_optimizer.state_dict() if self.module_optimizer else {},
+        })}
 
     def restore(self, checkpoint: Path) -> None:
         """Any server count: the module is per tower."""
