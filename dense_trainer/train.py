@@ -38,7 +38,7 @@ from dense_trainer.checkpointing import (
 from dense_trainer.config import Config, prepare_config
 from dense_trainer.data.elastic import Consumed
 from dense_trainer.data.loader import BatchLoader
-from dense_trainer.data.steps import Step, Steps, resume_positions
+from dense_trainer.data.steps import Step, Steps, partial_step, resume_positions
 from dense_trainer.metrics import log_loss_from_logits, roc_auc
 from dense_trainer.model import build_dense_model
 from dense_trainer.report import RunningLoss, write_metrics
@@ -177,28 +177,11 @@ class Trainer:
         t0 = time.perf_counter()
         loss.backward()  # also sends the embedding gradients to the fused sparse optimizer
         t1 = time.perf_counter()
-        with self._partial_step(rows):
+        with partial_step(self.optimizer, rows, self.cfg.train.batch_size):
             self.optimizer.step()
         self.timings["backward_s"] += t1 - t0
         self.timings["optimizer_s"] += time.perf_counter() - t1
         return report
-
-    @contextlib.contextmanager
-    def _partial_step(self, rows: int) -> Iterator[None]:
-        """... and moves the dense weights that much less (Adam's step does not shrink with its
-        gradient)."""
-        full = self.cfg.train.batch_size
-        if rows >= full:
-            yield
-            return
-        saved = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = g["lr"] * rows / full
-        try:
-            yield
-        finally:
-            for g, lr in zip(self.optimizer.param_groups, saved, strict=True):
-                g["lr"] = lr
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:

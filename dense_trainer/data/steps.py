@@ -16,6 +16,7 @@ batches, which are then exactly the global batches of a T-trainer run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -151,3 +152,21 @@ def resume_positions(saved: list[Position] | None, parts: int,
     log.warning("resuming %d trainer(s) from a checkpoint of %d: the shares restart at block %d of epoch %d, "
                 "skipping the rows the old trainers read", parts, len(saved), start.block, epoch)
     return [start] * parts, Consumed(epoch, [*runs, (len(saved), list(saved))])
+
+
+@contextlib.contextmanager
+def partial_step(optimizer: torch.optim.Optimizer, rows: int, batch_size: int) -> Iterator[None]:
+    """A step of fewer rows than the batch size (an epoch's tail, where the trainers' shares run
+    out unevenly) moves the dense weights that much less: its learning rate is scaled by
+    rows / batch size (Adam's step does not shrink with its gradient)."""
+    if rows >= batch_size:
+        yield
+        return
+    saved = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = g["lr"] * rows / batch_size
+    try:
+        yield
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved, strict=True):
+            g["lr"] = lr
