@@ -187,7 +187,8 @@ class EmbeddingServer:
             if command == Command.STOP:
                 if self.live is not None:
                     self.live.close()
-                return {"server": self.index, "steps": self.steps, **self.timings, **self.transport.stats}
+                ids = self.shard.id_stats() if self.shard is not None else {}
+                return {"server": self.index, "steps": self.steps, "ids": ids, **self.timings, **self.transport.stats}
             if command == Command.LIVE_START:
                 holder = [None]  # the version the master publishes now (it may take minutes)
                 dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)

@@ -20,6 +20,7 @@ from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
 from embedding_server.checkpoint import save_file
 from embedding_server.client import EmbeddingClient
+from embedding_server.idmap.remap import ShardIdMaps
 from embedding_server.local_table import LocalTable, init_rows
 from embedding_server.optimizers import SparseOptimizerConfig
 from embedding_server.table_checkpoint import CheckpointTables, shard_payload
@@ -99,6 +100,8 @@ class EmbeddingShard(nn.Module):
             else torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).to(device)
         )
         self.reset_parameters(seed)
+        # Dynamic tables: raw ids -> rows before the kernels (admission, eviction, row resets).
+        self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, seed, init_scale)
 
     @property
     def output_dim(self) -> int:
@@ -115,6 +118,14 @@ class EmbeddingShard(nn.Module):
             for name, tensor in state.items():
                 tensor.fill_(start if name == "momentum1" else 0.0)
 
+    @torch.no_grad()
+    def _reset_rows(self, piece: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:
+        """Rows [k] of a piece given to new ids: weights ``fresh`` [k, D], optimizer state as new."""
+        self._table_views()[piece][rows] = fresh
+        start = self.optimizer_config.initial_accumulator
+        for name, tensor in self._state_views()[piece].items():
+            tensor[rows] = start if name == "momentum1" else 0.0
+
     def _table_rank(self, feature: int) -> int:
         """Order of a feature's table among the tables, by first use."""
         return list(dict.fromkeys(self.feature_map)).index(self.feature_map[feature])
@@ -123,6 +134,8 @@ class EmbeddingShard(nn.Module):
         """Pooled embeddings of every bag: ids of F features for B examples -> float [B, sum(D_f)]."""
         if not self.kernels:  # a model without categorical features
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
+        if self.id_maps:  # a lookup that will be backpropagated trains: it may admit and evict
+            sparse = self.id_maps.remap(sparse, train=torch.is_grad_enabled())
         if len(self.kernels) == 1 and self._unpermute is None:  # one kernel, features in order
             return self.kernels[0](sparse.values, sparse.offsets)
         outs = [
@@ -162,7 +175,12 @@ class EmbeddingShard(nn.Module):
             for name, tensor in s.items():
                 out[f"{t.table.name}.{name}"] = tensor
         out["step"] = torch.tensor(self.kernels[0].step if len(self.kernels) else 0)
+        out.update(self.id_maps.state())
         return out
+
+    def id_stats(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table: rows_used, admitted, evicted, default_lookups (none: hashed)."""
+        return self.id_maps.stats()
 
     @torch.no_grad()
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -172,7 +190,7 @@ class EmbeddingShard(nn.Module):
         if missing:
             raise KeyError(f"checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for name, dst in mine.items():
-            if name == "step":
+            if name == "step" or ".idmap." in name:
                 continue
             src = state[name]
             if tuple(src.shape) != tuple(dst.shape):
@@ -180,6 +198,7 @@ class EmbeddingShard(nn.Module):
             dst.copy_(src)
         for kernel in self.kernels:
             kernel.step = int(state["step"])
+        self.id_maps.load(state)
 
 
 class ShardSet:
@@ -201,6 +220,9 @@ class ShardSet:
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
         for shard in self.shards:
             shard.import_state(state)
+
+    def id_stats(self) -> dict[str, dict[str, int]]:
+        return {name: s for shard in self.shards for name, s in shard.id_stats().items()}
 
 
 class InProcessEmbeddingClient(EmbeddingClient):
@@ -242,6 +264,9 @@ class InProcessEmbeddingClient(EmbeddingClient):
     def table_weights(self) -> dict[str, torch.Tensor]:
         """Each table's weights (views), by name: what live updates push."""
         return self.shard.table_weights()
+
+    def id_stats(self) -> dict[str, dict[str, int]]:
+        return self.shard.id_stats()
 
     def live_start(self, publish: Callable[[], str] | None) -> str:
         """One process holds everything: publishing is all there is to do."""

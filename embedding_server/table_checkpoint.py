@@ -111,6 +111,20 @@ class CheckpointTables:
             name = local.table.name
             for state in ("weight", *state_names):
                 out[f"{name}.{state}"] = self.read(name, state, local.row_start, spec.rows, local.col_start, spec.dim)
+            if local.table.dynamic is not None:
+                out.update(self.id_map(name))
+        return out
+
+    def id_map(self, table: str) -> dict[str, torch.Tensor]:
+        """A dynamic table's id map, ``<table>.idmap.<name>`` -> tensor (column pieces of a
+        table hold identical maps; the first is read). Empty when the checkpoint has none."""
+        _, _, _, _, tensors, i = self.index[table][0]
+        prefix = f"{table}.idmap."
+        out = {}
+        for key, value in tensors.items():
+            name, _, piece = key.rpartition("@")
+            if name.startswith(prefix) and piece == str(i):
+                out[name] = value
         return out
 
     def load_into(self, shard) -> None:

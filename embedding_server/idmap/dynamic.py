@@ -1,0 +1,187 @@
+"""One dynamic table's id map: raw 64-bit ids -> rows, with admission and eviction.
+
+Row 0 is the table's shared default row: ids not (yet) admitted read and train it. Rows 1..R-1
+each hold one admitted id while it keeps its row. A training lookup, on the batch's distinct
+ids at once:
+
+    known ids      -> their rows; last use and use count updated
+    new ids        -> counted in a count-min sketch; those seen ``admit_after`` times are
+                      admitted (most frequent first) into free rows
+    no free rows   -> the policy frees rows (lru / lfu / ttl), in chunks of 1/64 of the table;
+                      rows used by this or the previous lookup never go (their gradients may not
+                      have been applied yet: pipelined and semi-synchronous servers)
+    a row reused   -> ``reset(rows, ids)`` re-initialises its weights and optimizer state first
+
+An evaluation (or serving) lookup only reads: unknown ids get row 0 and nothing changes.
+Every structure has a fixed size (capacity R, sketch width W), so memory is bounded whatever the
+number of distinct ids, and the whole state is a handful of tensors (checkpoints).
+
+Shape letters: R rows of the table, n ids in a call (u distinct).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dlrm_core.schema import DynamicIds
+from embedding_server.idmap.hash_table import IdHashTable
+from embedding_server.idmap.sketch import CountMinSketch
+
+EVICT_CHUNK = 64
+"""When the table is full, at least 1/EVICT_CHUNK of its rows are freed at once (amortises the
+O(R) choice of victims over many admissions)."""
+COUNTERS = ("clock", "free", "admitted", "evicted", "default_lookups")
+"""The map's scalar state: training lookups so far, free rows, ids admitted and evicted so far,
+lookups (occurrences) that read the default row."""
+_NEVER = torch.iinfo(torch.int64).max
+
+Reset = Callable[[torch.Tensor, torch.Tensor], None]
+"""reset(rows int64 [k], ids int64 [k]): fresh weights and optimizer state for rows given to ids."""
+
+
+class DynamicIdMap:
+    """Raw ids -> rows of one table of ``rows`` rows (row 0 the default).
+
+    Args:
+        rows: R, the table's rows (its capacity: R - 1 ids, plus the default row).
+        cfg: admission and eviction settings.
+        reset: called with the rows (and their new ids) about to be reused.
+
+    Example:
+        >>> m = DynamicIdMap(4, DynamicIds(admit_after=2))
+        >>> m.lookup(torch.tensor([10, 11, 10]), train=True)  # 10 seen twice: admitted
+        tensor([1, 0, 1])
+    """
+
+    def __init__(self, rows: int, cfg: DynamicIds, reset: Reset | None = None) -> None:
+        self.rows, self.cfg, self.reset = rows, cfg, reset
+        self.table = IdHashTable(rows - 1)
+        self.sketch = CountMinSketch(max(1024, rows)) if cfg.admit_after > 1 else None
+        self.row_id = torch.zeros(rows, dtype=torch.int64)  # [R] the id each row holds
+        self.used = torch.zeros(rows, dtype=torch.bool)  # [R] row 0 is never "used" by an id
+        self.last = torch.zeros(rows, dtype=torch.int64)  # [R] clock of the last training use
+        self.uses = torch.zeros(rows, dtype=torch.int64)  # [R] training lookups since admission
+        self.free = torch.arange(rows - 1, 0, -1, dtype=torch.int64)  # [R - 1] stack, top last
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
+        self.counters[COUNTERS.index("free")] = rows - 1
+
+    def _get(self, name: str) -> int:
+        return int(self.counters[COUNTERS.index(name)])
+
+    def _add(self, name: str, value: int) -> None:
+        self.counters[COUNTERS.index(name)] += value
+
+    @property
+    def ids_held(self) -> int:
+        return self.rows - 1 - self._get("free")
+
+    def lookup(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
+        """Row of each raw id, int64 [n]; a training lookup admits and evicts."""
+        if ids.numel() == 0:
+            return ids.clone()
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # [u]
+        rows = self.table.find(uniq)  # [u], -1: not admitted
+        if train:
+            rows = self._train(uniq, counts, rows)
+            self._add("default_lookups", int(counts[rows < 0].sum()))
+        return rows.clamp(min=0)[inverse]
+
+    def _train(self, uniq: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self._add("clock", 1)
+        clock = self._get("clock")
+        known = rows >= 0
+        self.last[rows[known]] = clock
+        self.uses[rows[known]] += counts[known]
+        new = torch.nonzero(~known).squeeze(1)  # positions in uniq
+        if new.numel():
+            priority = counts[new]
+            if self.sketch is not None:
+                priority = self.sketch.add(uniq[new], counts[new]).to(torch.int64)
+                new, priority = new[priority >= self.cfg.admit_after], priority[priority >= self.cfg.admit_after]
+            if new.numel():
+                taken, slots = self._admit(uniq[new], counts[new], priority)
+                rows[new[taken]] = slots
+        if self.cfg.evict == "ttl" and clock % self.cfg.ttl_steps == 0:
+            self._release(self._victims(self.rows, clock))  # the periodic sweep of expired ids
+        return rows
+
+    def _admit(self, ids: torch.Tensor, counts: torch.Tensor, priority: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Give free rows to ``ids`` [k] (most frequent first); -> (which of them got one, their rows)."""
+        short = ids.numel() - self._get("free")
+        if short > 0:
+            self._release(self._victims(max(short, (self.rows - 1) // EVICT_CHUNK), self._get("clock")))
+        take = min(ids.numel(), self._get("free"))
+        order = torch.argsort(priority, descending=True, stable=True)[:take]  # [take] into ids
+        top = self._get("free")
+        slots = self.free[top - take : top].flip(0)  # [take], popped
+        self._add("free", -take)
+        chosen = ids[order]
+        self.table.insert(chosen, slots)
+        self.row_id[slots], self.used[slots] = chosen, True
+        self.last[slots], self.uses[slots] = self._get("clock"), counts[order]
+        if self.reset is not None and take:
+            self.reset(slots, chosen)
+        self._add("admitted", take)
+        return order, slots
+
+    def _victims(self, n: int, clock: int) -> torch.Tensor:
+        """Up to ``n`` rows the policy frees now, int64 [<= n]."""
+        if self.cfg.evict == "ttl":
+            movable = self.used & (self.last <= clock - self.cfg.ttl_steps)
+        else:
+            movable = self.used & (self.last < clock - 1)  # this and the previous lookup's rows stay
+        if self.cfg.evict == "lfu":
+            score = self.uses
+        else:
+            score = self.last
+        candidates = torch.nonzero(movable).squeeze(1)
+        if candidates.numel() > n:
+            # Least recent (lru, ttl) / least used, then least recent (lfu); ties: lowest row.
+            order = torch.argsort(self.last[candidates], stable=True)
+            if self.cfg.evict == "lfu":
+                order = order[torch.argsort(score[candidates][order], stable=True)]
+            candidates = candidates[order[:n]]
+        return candidates
+
+    def _release(self, rows: torch.Tensor) -> None:
+        """Free ``rows``: their ids leave the map, the rows go back on the free stack."""
+        if not rows.numel():
+            return
+        self.table.delete(self.row_id[rows])
+        self.used[rows] = False
+        top = self._get("free")
+        self.free[top : top + rows.numel()] = rows
+        self._add("free", rows.numel())
+        self._add("evicted", rows.numel())
+
+    # -- inspection and state -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """rows_used (admitted ids plus the default row), admitted, evicted, default_lookups."""
+        return {"rows_used": self.ids_held + 1, "admitted": self._get("admitted"),
+                "evicted": self._get("evicted"), "default_lookups": self._get("default_lookups")}
+
+    def items(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, rows) of every admitted id, sorted by id: what serving searches."""
+        keys, rows = self.table.items()
+        order = torch.argsort(keys)
+        return keys[order], rows[order]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the map, by name (views), for checkpoints; fixed shapes."""
+        out = {f"table.{k}": v for k, v in self.table.state().items()}
+        if self.sketch is not None:
+            out.update({f"sketch.{k}": v for k, v in self.sketch.state().items()})
+        out.update(row_id=self.row_id, used=self.used, last=self.last, uses=self.uses, free=self.free,
+                   counters=self.counters)
+        return out
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state` returned (of a map of the same rows and settings)."""
+        self.table.load({k[6:]: v for k, v in state.items() if k.startswith("table.")})
+        if self.sketch is not None:
+            self.sketch.load({k[7:]: v for k, v in state.items() if k.startswith("sketch.")})
+        for name in ("row_id", "used", "last", "uses", "free", "counters"):
+            getattr(self, name).copy_(state[name])
