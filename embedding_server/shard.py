@@ -101,6 +101,7 @@ class EmbeddingShard(nn.Module):
         )
         self.reset_parameters(seed)
         # Dynamic tables: raw ids -> rows before the kernels (admission, eviction, row resets).
+        self._views: tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]] | None = None
         self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, seed, init_scale)
 
     @property
@@ -121,9 +122,12 @@ class EmbeddingShard(nn.Module):
     @torch.no_grad()
     def _reset_rows(self, piece: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:
         """Rows [k] of a piece given to new ids: weights ``fresh`` [k, D], optimizer state as new."""
-        self._table_views()[piece][rows] = fresh
+        if self._views is None:  # the kernels' storage never moves: views stay valid
+            self._views = (self._table_views(), self._state_views())
+        weights, states = self._views
+        weights[piece][rows] = fresh
         start = self.optimizer_config.initial_accumulator
-        for name, tensor in self._state_views()[piece].items():
+        for name, tensor in states[piece].items():
             tensor[rows] = start if name == "momentum1" else 0.0
 
     def _table_rank(self, feature: int) -> int:

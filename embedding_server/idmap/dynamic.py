@@ -55,16 +55,18 @@ class DynamicIdMap:
         tensor([1, 0, 1])
     """
 
-    def __init__(self, rows: int, cfg: DynamicIds, reset: Reset | None = None) -> None:
+    def __init__(self, rows: int, cfg: DynamicIds, reset: Reset | None = None,
+                 storage: dict[str, torch.Tensor] | None = None) -> None:
         self.rows, self.cfg, self.reset = rows, cfg, reset
-        self.table = IdHashTable(rows - 1)
+        views = storage or {}
+        self.table = IdHashTable(rows - 1, views.get("keys"), views.get("slots"))
         self.sketch = CountMinSketch(max(1024, rows)) if cfg.admit_after > 1 else None
         self.row_id = torch.zeros(rows, dtype=torch.int64)  # [R] the id each row holds
         self.used = torch.zeros(rows, dtype=torch.bool)  # [R] row 0 is never "used" by an id
-        self.last = torch.zeros(rows, dtype=torch.int64)  # [R] clock of the last training use
-        self.uses = torch.zeros(rows, dtype=torch.int64)  # [R] training lookups since admission
+        self.last = views.get("last", torch.zeros(rows, dtype=torch.int64))  # [R] clock of the last training use
+        self.uses = views.get("uses", torch.zeros(rows, dtype=torch.int64))  # [R] training lookups since admission
         self.free = torch.arange(rows - 1, 0, -1, dtype=torch.int64)  # [R - 1] stack, top last
-        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64)
+        self.counters = views.get("counters", torch.zeros(len(COUNTERS), dtype=torch.int64))
         self.counters[COUNTERS.index("free")] = rows - 1
 
     def _get(self, name: str) -> int:
@@ -78,34 +80,43 @@ class DynamicIdMap:
         return self.rows - 1 - self._get("free")
 
     def lookup(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
-        """Row of each raw id, int64 [n]; a training lookup admits and evicts."""
-        if ids.numel() == 0:
-            return ids.clone()
-        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # [u]
-        rows = self.table.find(uniq)  # [u], -1: not admitted
-        if train:
-            rows = self._train(uniq, counts, rows)
-            self._add("default_lookups", int(counts[rows < 0].sum()))
-        return rows.clamp(min=0)[inverse]
-
-    def _train(self, uniq: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Row of each raw id, int64 [n]; a training lookup admits and evicts (one step)."""
+        rows = self.table.find(ids)  # [n], -1: not admitted
+        if not train:
+            return rows.clamp(min=0)
         self._add("clock", 1)
-        clock = self._get("clock")
         known = rows >= 0
-        self.last[rows[known]] = clock
-        self.uses[rows[known]] += counts[known]
-        new = torch.nonzero(~known).squeeze(1)  # positions in uniq
-        if new.numel():
-            priority = counts[new]
-            if self.sketch is not None:
-                priority = self.sketch.add(uniq[new], counts[new]).to(torch.int64)
-                new, priority = new[priority >= self.cfg.admit_after], priority[priority >= self.cfg.admit_after]
-            if new.numel():
-                taken, slots = self._admit(uniq[new], counts[new], priority)
-                rows[new[taken]] = slots
-        if self.cfg.evict == "ttl" and clock % self.cfg.ttl_steps == 0:
-            self._release(self._victims(self.rows, clock))  # the periodic sweep of expired ids
+        self.touch(rows[known])
+        if not bool(known.all()):
+            rows[~known] = self.admit(ids[~known])
+        self._add("default_lookups", int((rows == 0).sum()))
+        self.end_step()
         return rows
+
+    def touch(self, rows: torch.Tensor) -> None:
+        """Rows [k] (repeats counted) used by this training lookup (the clock already ticked)."""
+        self.last[rows] = self.counters[COUNTERS.index("clock")]
+        self.uses.index_add_(0, rows, torch.ones_like(rows))
+
+    def admit(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ids [n] not in the map: those admitted now get one, the rest row 0 -> int64 [n]."""
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # [u]
+        rows = torch.zeros_like(uniq)
+        new, priority = torch.arange(uniq.numel()), counts
+        if self.sketch is not None:
+            priority = self.sketch.add(uniq, counts).to(torch.int64)
+            ok = priority >= self.cfg.admit_after
+            new, priority = new[ok], priority[ok]
+        if new.numel():
+            taken, slots = self._admit(uniq[new], counts[new], priority)
+            rows[new[taken]] = slots
+        return rows[inverse]
+
+    def end_step(self) -> None:
+        """ttl: every ttl_steps lookups, the ids unused for ttl_steps lose their rows."""
+        clock = self._get("clock")
+        if self.cfg.evict == "ttl" and clock % self.cfg.ttl_steps == 0:
+            self._release(self._victims(self.rows, clock))
 
     def _admit(self, ids: torch.Tensor, counts: torch.Tensor, priority: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Give free rows to ``ids`` [k] (most frequent first); -> (which of them got one, their rows)."""

@@ -36,8 +36,43 @@ def mix64(ids: torch.Tensor, salt: int = 0) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def buckets_for(capacity: int) -> int:
+    """H of a table of ``capacity`` keys: a power of two, at least twice the capacity."""
+    return 1 << max(4, (2 * max(1, capacity) - 1).bit_length())
+
+
+def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torch.Tensor | int,
+          mask: torch.Tensor | int) -> torch.Tensor:
+    """Bucket of each id in ``keys``/``slots`` [H], int64 [n] (-1: absent). Id i probes buckets
+    base_i + ((home + k) & mask_i): several tables laid side by side in one buffer are searched
+    in one call (``base``, ``mask``: per id, or one int for a single table)."""
+    out = torch.full_like(ids, -1)
+    home = mix64(ids) & mask
+    pos = home + base
+    s = slots[pos]
+    hit = (s >= 0) & (keys[pos] == ids)  # the first round over every id, most end here
+    out[hit] = pos[hit]
+    active = torch.nonzero(~hit & (s != EMPTY)).squeeze(1)
+    step = torch.ones_like(ids)
+    while active.numel():
+        step[active] += 1
+        b = base[active] if isinstance(base, torch.Tensor) else base
+        m = mask[active] if isinstance(mask, torch.Tensor) else mask
+        p = b + ((home[active] + step[active] - 1) & m)
+        s = slots[p]
+        hit = (s >= 0) & (keys[p] == ids[active])
+        out[active[hit]] = p[hit]
+        active = active[~hit & (s != EMPTY)]  # past a tombstone or another key: probe on
+    return out
+
+
 class IdHashTable:
     """Keys (raw ids, int64) -> slots (int64 >= 0), at most ``capacity`` live keys.
+
+    Args:
+        capacity: the most live keys.
+        keys, slots: storage of ``buckets_for(capacity)`` buckets to use (views into a larger
+            buffer, so that a shard's tables are probed together); default: its own.
 
     Example:
         >>> t = IdHashTable(4)
@@ -46,11 +81,11 @@ class IdHashTable:
         tensor([ 2, -1,  1])
     """
 
-    def __init__(self, capacity: int) -> None:
-        size = 1 << max(4, (2 * max(1, capacity) - 1).bit_length())  # H >= 2 * capacity
+    def __init__(self, capacity: int, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
+        size = buckets_for(capacity)
         self.mask = size - 1
-        self.keys = torch.zeros(size, dtype=torch.int64)  # [H]
-        self.slots = torch.full((size,), EMPTY, dtype=torch.int64)  # [H]
+        self.keys = torch.zeros(size, dtype=torch.int64) if keys is None else keys  # [H]
+        self.slots = torch.full((size,), EMPTY, dtype=torch.int64) if slots is None else slots  # [H]
         self.live = 0
         self.tombstones = 0
 
@@ -59,17 +94,7 @@ class IdHashTable:
 
     def positions(self, keys: torch.Tensor) -> torch.Tensor:
         """Bucket of each key, int64 [n]; -1 where the key is absent."""
-        out = torch.full_like(keys, -1)
-        pos = self._home(keys)
-        active = torch.arange(keys.numel())
-        while active.numel():
-            p = pos[active]
-            s = self.slots[p]
-            hit = (s >= 0) & (self.keys[p] == keys[active])
-            out[active[hit]] = p[hit]
-            active = active[~hit & (s != EMPTY)]  # past a tombstone or another key: probe on
-            pos[active] = (pos[active] + 1) & self.mask
-        return out
+        return probe(self.keys, self.slots, keys, 0, self.mask)
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key, int64 [n]; -1 where the key is absent."""

@@ -1,8 +1,11 @@
 """The dynamic tables of one embedding shard: raw ids of a lookup -> rows, before the kernels.
 
 ``EmbeddingShard.forward`` hands every lookup here first; each dynamic table's features have
-their raw 64-bit ids replaced by rows (one vectorised map lookup per table, over the whole
-batch), hashed tables' ids pass untouched, and the fused TBE call then runs on rows as before.
+their raw 64-bit ids replaced by rows, hashed tables' ids pass untouched, and the fused TBE call
+then runs on rows as before. The maps' hash tables and row statistics are views into buffers
+laid side by side, so the ids of every dynamic table are found, and the known ones' rows
+touched, in one probe over the whole batch; only tables with new ids do work of their own
+(admission, eviction).
 A lookup with gradients enabled is a training lookup (admits, evicts); one without (evaluation,
 serving) only reads.
 
@@ -18,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from dlrm_core.batch import SparseFeatures
-from embedding_server.idmap.dynamic import DynamicIdMap
-from embedding_server.idmap.hash_table import _shr, mix64
+from embedding_server.idmap.dynamic import COUNTERS, DynamicIdMap
+from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, probe
 from embedding_server.local_table import LocalTable
 
 RowReset = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -51,14 +54,33 @@ class ShardIdMaps:
     def __init__(self, tables: list[LocalTable], feature_map: list[int], reset: RowReset,
                  seed: int = 0, init_scale: float | None = None) -> None:
         self.tables = tables
-        self.maps: dict[int, DynamicIdMap] = {}
-        for t, local in enumerate(tables):
-            if local.table.dynamic is None:
-                continue
+        mine = [t for t, local in enumerate(tables) if local.table.dynamic is not None]
+        for t in mine:
+            local = tables[t]
             if local.row_start != 0 or local.spec.rows != local.table.rows:
                 raise ValueError(f"table {local.table.name}: dynamic ids need whole rows on one shard")
-            self.maps[t] = DynamicIdMap(local.spec.rows, local.table.dynamic, self._resetter(t, reset, seed, init_scale))
-        self.feature_map = torch.tensor(feature_map, dtype=torch.int64)  # [F]
+        rows = [tables[t].spec.rows for t in mine]
+        buckets = [buckets_for(r - 1) for r in rows]
+        # Side-by-side storage: buckets [sum H_t], row statistics [sum R_t], counters [M, 5].
+        self.keys = torch.zeros(sum(buckets), dtype=torch.int64)
+        self.slots = torch.full((sum(buckets),), EMPTY, dtype=torch.int64)
+        self.last = torch.zeros(sum(rows), dtype=torch.int64)
+        self.uses = torch.zeros(sum(rows), dtype=torch.int64)
+        self.counters = torch.zeros(len(mine), len(COUNTERS), dtype=torch.int64)
+        self.bucket_base = torch.tensor([sum(buckets[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
+        self.bucket_mask = torch.tensor([h - 1 for h in buckets], dtype=torch.int64)  # [M]
+        self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
+        self.maps: dict[int, DynamicIdMap] = {}
+        for i, t in enumerate(mine):
+            h0, r0 = int(self.bucket_base[i]), int(self.row_base[i])
+            views = {"keys": self.keys[h0 : h0 + buckets[i]], "slots": self.slots[h0 : h0 + buckets[i]],
+                     "last": self.last[r0 : r0 + rows[i]], "uses": self.uses[r0 : r0 + rows[i]],
+                     "counters": self.counters[i]}
+            self.maps[t] = DynamicIdMap(rows[i], tables[t].table.dynamic, self._resetter(t, reset, seed, init_scale), views)
+        self.map_list = list(self.maps.values())
+        number = {t: i for i, t in enumerate(mine)}
+        self.map_of_feature = torch.tensor([number.get(t, -1) for t in feature_map], dtype=torch.int64)  # [F]
+        self.ttl_maps = [m for m in self.map_list if m.cfg.evict == "ttl"]
 
     def _resetter(self, t: int, reset: RowReset, seed: int, init_scale: float | None):
         local = self.tables[t]
@@ -69,14 +91,36 @@ class ShardIdMaps:
 
     def remap(self, sparse: SparseFeatures, train: bool) -> SparseFeatures:
         """Raw ids of dynamic tables' features -> rows; everything else as it was."""
-        f_count, b = self.feature_map.numel(), max(sparse.batch_size, 1)
-        bounds = sparse.offsets[:: b][: f_count + 1]  # [F + 1] each feature's span of values
-        piece_of_value = torch.repeat_interleave(self.feature_map, bounds.diff())  # [N]
+        f_count, b = self.map_of_feature.numel(), max(sparse.batch_size, 1)
+        bounds = sparse.offsets[::b][: f_count + 1]  # [F + 1] each feature's span of values
+        map_of_value = torch.repeat_interleave(self.map_of_feature, bounds.diff())  # [N], -1: hashed
+        where = torch.nonzero(map_of_value >= 0).squeeze(1)  # [M_n] the dynamic tables' values
+        ids, k = sparse.values[where], map_of_value[where]
+        pos = probe(self.keys, self.slots, ids, self.bucket_base[k], self.bucket_mask[k])
+        rows = torch.where(pos >= 0, self.slots[pos.clamp(min=0)], torch.full_like(pos, -1))
+        rows = self._train(ids, k, rows) if train else rows.clamp(min=0)
         values = sparse.values.clone()
-        for t, id_map in self.maps.items():
-            mine = piece_of_value == t
-            values[mine] = id_map.lookup(values[mine], train)
+        values[where] = rows
         return SparseFeatures(values, sparse.offsets, sparse.batch_size)
+
+    def _train(self, ids: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One training step of every map: touch known rows, admit new ids, count, expire."""
+        clock, default = COUNTERS.index("clock"), COUNTERS.index("default_lookups")
+        self.counters[:, clock] += 1
+        known = rows >= 0
+        flat = self.row_base[k[known]] + rows[known]
+        self.last[flat] = self.counters[0, clock]  # every map ticks together
+        self.uses.index_add_(0, flat, torch.ones_like(flat))
+        absent = torch.nonzero(~known).squeeze(1)
+        if absent.numel():
+            k_absent = k[absent]
+            for i in torch.unique(k_absent).tolist():  # only the tables with new ids
+                sel = absent[k_absent == i]
+                rows[sel] = self.map_list[i].admit(ids[sel])
+        self.counters[:, default] += torch.bincount(k[rows == 0], minlength=len(self.map_list))
+        for m in self.ttl_maps:
+            m.end_step()
+        return rows
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per dynamic table: rows_used, admitted, evicted, default_lookups."""
