@@ -38,7 +38,7 @@ from dlrm_core.logs import setup_logging
 from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.cluster import Roles, join
 from embedding_server.dist_client import DistributedEmbeddingClient
-from embedding_server.planner import ShardingPlan, parse_bytes, plan_sharding, table_factors
+from embedding_server.planner import ShardingPlan, parse_bytes, plan_sharding, table_factors, wire_id_bound
 from embedding_server.server import EmbeddingServer
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.plan import TowerPlan
@@ -130,8 +130,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         holder = [(plan or make_plan(cfg, train)).model_dump_json() if rank == 0 else None]
         dist.broadcast_object_list(holder, src=0)
         plan = ShardingPlan.model_validate_json(holder[0])
-        cluster.transport = open_transport(cluster, ids_dtype(max((p.rows for p in plan.pieces), default=0)))
         spec = cfg.feature_spec()
+        cluster.transport = open_transport(cluster, ids_dtype(wire_id_bound(plan, spec)))
         layout = tower_layout(cfg, cluster.topology)
         chunks = exchange_chunks(d.exchange_chunks, cluster, layout is not None)
         # Every rank makes every tower's group (a collective), in tower order.

@@ -37,7 +37,7 @@ from embedding_server.checkpoint import partial_dir, save_file
 from embedding_server.cluster import Cluster
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
 from embedding_server.live import LivePusher
-from embedding_server.planner import ShardingPlan
+from embedding_server.planner import ShardingPlan, wire_id_bound
 from embedding_server.shard import EmbeddingShard, ShardSet
 from embedding_server.table_checkpoint import CheckpointTables, shard_payload
 from embedding_server.transport import GRADS, POOLED
@@ -150,7 +150,7 @@ class EmbeddingServer:
         self.live_config = live
         self.live: LivePusher | None = None
         self.transport = cluster.transport
-        self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))  # as the trainers send
+        self.id_dtype = ids_dtype(wire_id_bound(plan, spec))  # as the trainers send
         self.stage: ServerStage = (stage or FlatStage)(self)
         self.semi_sync = dist.pipeline == "semi-sync" and self.stage.deferrable and self.transport.pipelined
         # Lockstep applies each update as soon as its gradients arrive; pipelined runs keep it
