@@ -139,6 +139,15 @@ def _col_blocks(dim: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(starts, sizes, strict=True))
 
 
+def _check_row_wise(table: TableSpec) -> None:
+    """A dynamic table's rows belong to ids, not to row ranges: it is never split by rows."""
+    if table.dynamic is not None:
+        raise ConfigError(
+            f"table {table.name} has dynamic ids and cannot be split row-wise: place it whole "
+            f"(--sharding table_wise or column_wise) or raise --server-memory"
+        )
+
+
 def plan_sharding(
     spec: FeatureSpec,
     num_servers: int,
@@ -173,11 +182,7 @@ def plan_sharding(
         work[server] += factors[t] * share * dim
 
     def row_wise(t: int, table: TableSpec) -> None:
-        if table.dynamic is not None:  # its rows belong to ids, not to row ranges
-            raise ConfigError(
-                f"table {table.name} has dynamic ids and cannot be split row-wise: place it whole "
-                f"(--sharding table_wise or column_wise) or raise --server-memory"
-            )
+        _check_row_wise(table)
         blocks = _row_blocks(table.rows, num_servers)
         for server, (_, rows) in enumerate(blocks):
             need = piece_bytes(rows, table.dim, optimizer)
