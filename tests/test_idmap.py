@@ -86,16 +86,26 @@ class TestDynamicIdMap:
         assert m.lookup(torch.tensor([5, 6, 7]), train=False).tolist() == [1, 0, 0]  # evaluation reads
         assert m.stats() == {"rows_used": 2, "admitted": 1, "evicted": 0, "default_lookups": 3}
 
-    @pytest.mark.parametrize(("policy", "victim"), [("lru", 12), ("lfu", 11)])
-    def test_eviction_policy_picks_its_victim(self, policy, victim):
-        m = DynamicIdMap(4, DynamicIds(evict=policy))  # 3 rows for ids
-        m.lookup(torch.tensor([11, 12, 12, 12]), train=True)  # step 1: 12 used 3 times
-        m.lookup(torch.tensor([13, 11]), train=True)  # step 2: 11 again (used twice)
+    def test_lru_frees_the_least_recently_used(self):
+        m = DynamicIdMap(4, DynamicIds(evict="lru"))  # 3 rows for ids
+        m.lookup(torch.tensor([11, 12, 12, 12]), train=True)  # step 1
+        m.lookup(torch.tensor([13, 11]), train=True)  # step 2
         m.lookup(torch.tensor([13]), train=True)  # step 3
-        m.lookup(torch.tensor([20]), train=True)  # full: 11 or 12 goes (13 was used just now)
+        m.lookup(torch.tensor([20]), train=True)  # full: 12 (last used at step 1) goes
         kept = m.lookup(torch.tensor([11, 12, 13, 20]), train=False).tolist()
-        gone = [i for i, r in zip([11, 12, 13, 20], kept, strict=True) if r == 0]
-        assert gone == [victim]  # lru: 12 (last used at step 1); lfu: 11 (used twice)
+        assert [i for i, r in zip([11, 12, 13, 20], kept, strict=True) if r == 0] == [12]
+        assert m.stats()["evicted"] == 1
+
+    def test_lfu_admits_only_ids_seen_more_often_than_the_least_used_row(self):
+        m = DynamicIdMap(4, DynamicIds(evict="lfu"))
+        m.lookup(torch.tensor([11, 12, 12, 12]), train=True)  # 11 used once, 12 three times
+        m.lookup(torch.tensor([13, 11]), train=True)  # 11: twice
+        m.lookup(torch.tensor([13]), train=True)  # 13: twice
+        m.lookup(torch.tensor([20]), train=True)  # seen once: no row worth giving up
+        assert m.lookup(torch.tensor([20]), train=False).tolist() == [0] and m.stats()["evicted"] == 0
+        m.lookup(torch.tensor([20, 20]), train=True)  # seen 3 times: beats 11 (twice, and older than 13)
+        kept = m.lookup(torch.tensor([11, 12, 13, 20]), train=False).tolist()
+        assert [i for i, r in zip([11, 12, 13, 20], kept, strict=True) if r == 0] == [11]
         assert m.stats()["evicted"] == 1
 
     def test_rows_of_the_last_two_lookups_are_never_evicted(self):

@@ -7,7 +7,9 @@ ids at once:
     known ids      -> their rows; last use and use count updated
     new ids        -> counted in a count-min sketch; those seen ``admit_after`` times are
                       admitted (most frequent first) into free rows
-    no free rows   -> the policy frees rows (lru / lfu / ttl), in chunks of 1/64 of the table;
+    no free rows   -> lru / ttl free rows (least recent / expired), in chunks of 1/64 of the
+                      table; lfu (TinyLFU) lets a candidate replace the least used row only if
+                      the sketch has seen it more often than that row was used;
                       rows used by this or the previous lookup never go (their gradients may not
                       have been applied yet: pipelined and semi-synchronous servers)
     a row reused   -> ``reset(rows, ids)`` re-initialises its weights and optimizer state first
@@ -60,7 +62,7 @@ class DynamicIdMap:
         self.rows, self.cfg, self.reset = rows, cfg, reset
         views = storage or {}
         self.table = IdHashTable(rows - 1, views.get("keys"), views.get("slots"))
-        self.sketch = CountMinSketch(max(1024, rows)) if cfg.admit_after > 1 else None
+        self.sketch = CountMinSketch(max(1024, rows)) if cfg.admit_after > 1 or cfg.evict == "lfu" else None
         self.row_id = torch.zeros(rows, dtype=torch.int64)  # [R] the id each row holds
         self.used = torch.zeros(rows, dtype=torch.bool)  # [R] row 0 is never "used" by an id
         self.last = views.get("last", torch.zeros(rows, dtype=torch.int64))  # [R] clock of the last training use
@@ -104,11 +106,16 @@ class DynamicIdMap:
         rows = torch.zeros_like(uniq)
         new, priority = torch.arange(uniq.numel()), counts
         if self.sketch is not None:
-            priority = self.sketch.add(uniq, counts).to(torch.int64)
+            estimate, halved = self.sketch.add(uniq, counts)
+            if halved:  # use counts stay on the sketch's scale (lfu compares them)
+                self.uses >>= 1
+            priority = estimate.to(torch.int64)
             ok = priority >= self.cfg.admit_after
             new, priority = new[ok], priority[ok]
         if new.numel():
-            taken, slots = self._admit(uniq[new], counts[new], priority)
+            order = torch.argsort(priority, descending=True, stable=True)  # most frequent first
+            new, priority = new[order], priority[order]
+            taken, slots = self._admit(uniq[new], priority)
             rows[new[taken]] = slots
         return rows[inverse]
 
@@ -118,24 +125,33 @@ class DynamicIdMap:
         if self.cfg.evict == "ttl" and clock % self.cfg.ttl_steps == 0:
             self._release(self._victims(self.rows, clock))
 
-    def _admit(self, ids: torch.Tensor, counts: torch.Tensor, priority: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Give free rows to ``ids`` [k] (most frequent first); -> (which of them got one, their rows)."""
-        short = ids.numel() - self._get("free")
-        if short > 0:
-            self._release(self._victims(max(short, (self.rows - 1) // EVICT_CHUNK), self._get("clock")))
-        take = min(ids.numel(), self._get("free"))
-        order = torch.argsort(priority, descending=True, stable=True)[:take]  # [take] into ids
-        top = self._get("free")
-        slots = self.free[top - take : top].flip(0)  # [take], popped
-        self._add("free", -take)
-        chosen = ids[order]
+    def _admit(self, ids: torch.Tensor, priority: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for candidates ``ids`` [k], most frequent first (``priority`` [k]: their counts);
+        -> (positions of those admitted, their rows)."""
+        k, free, clock = ids.numel(), self._get("free"), self._get("clock")
+        take = torch.arange(min(k, free))
+        if k > free and self.cfg.evict == "lfu":
+            # TinyLFU: the i-th most frequent candidate replaces the i-th least used row only if
+            # it was seen more often; a full table of frequent ids is not churned by the tail.
+            victims = self._victims(k - free, clock)
+            rest = torch.arange(free, free + victims.numel())
+            wins = priority[rest] > self.uses[victims]
+            self._release(victims[wins])
+            take = torch.cat([take, rest[wins]])
+        elif k > free:
+            self._release(self._victims(max(k - free, (self.rows - 1) // EVICT_CHUNK), clock))
+            take = torch.arange(min(k, self._get("free")))
+        n, top = take.numel(), self._get("free")
+        slots = self.free[top - n : top].flip(0)  # [n], popped
+        self._add("free", -n)
+        chosen = ids[take]
         self.table.insert(chosen, slots)
         self.row_id[slots], self.used[slots] = chosen, True
-        self.last[slots], self.uses[slots] = self._get("clock"), counts[order]
-        if self.reset is not None and take:
+        self.last[slots], self.uses[slots] = clock, priority[take]
+        if self.reset is not None and n:
             self.reset(slots, chosen)
-        self._add("admitted", take)
-        return order, slots
+        self._add("admitted", n)
+        return take, slots
 
     def _victims(self, n: int, clock: int) -> torch.Tensor:
         """Up to ``n`` rows the policy frees now, int64 [<= n]."""
@@ -148,13 +164,11 @@ class DynamicIdMap:
         else:
             score = self.last
         candidates = torch.nonzero(movable).squeeze(1)
-        if candidates.numel() > n:
-            # Least recent (lru, ttl) / least used, then least recent (lfu); ties: lowest row.
-            order = torch.argsort(self.last[candidates], stable=True)
-            if self.cfg.evict == "lfu":
-                order = order[torch.argsort(score[candidates][order], stable=True)]
-            candidates = candidates[order[:n]]
-        return candidates
+        # Least recent (lru, ttl) / least used, then least recent (lfu); ties: lowest row.
+        order = torch.argsort(self.last[candidates], stable=True)
+        if self.cfg.evict == "lfu":
+            order = order[torch.argsort(score[candidates][order], stable=True)]
+        return candidates[order[:n]]
 
     def _release(self, rows: torch.Tensor) -> None:
         """Free ``rows``: their ids leave the map, the rows go back on the free stack."""

@@ -24,7 +24,7 @@ class CountMinSketch:
     Example:
         >>> s = CountMinSketch(width=1024)
         >>> s.add(torch.tensor([5, 9]), torch.tensor([3, 1]))
-        tensor([3, 1], dtype=torch.int32)
+        (tensor([3, 1], dtype=torch.int32), False)
     """
 
     def __init__(self, width: int, depth: int = 4) -> None:
@@ -42,17 +42,19 @@ class CountMinSketch:
         """Estimated count of each id, int32 [n] (never below the true count since the last halving)."""
         return self.counts.view(-1)[self._cells(ids)].amin(dim=0)
 
-    def add(self, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Add ``counts`` [n] occurrences of distinct ``ids`` [n]; return their new estimates [n]."""
+    def add(self, ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Add ``counts`` [n] occurrences of distinct ``ids`` [n]; -> (their new estimates [n],
+        whether the counters were halved just now)."""
         cells = self._cells(ids)
         flat = self.counts.view(-1)
         flat.scatter_add_(0, cells.reshape(-1), counts.to(torch.int32).repeat(self.depth))
         self.added += counts.sum()
         out = flat[cells].amin(dim=0)
-        if int(self.added) >= RESET_FACTOR * self.width:
+        halve = int(self.added) >= RESET_FACTOR * self.width
+        if halve:
             self.counts >>= 1
             self.added.zero_()
-        return out
+        return out, halve
 
     def state(self) -> dict[str, torch.Tensor]:
         return {"counts": self.counts, "added": self.added}
