@@ -37,7 +37,12 @@ O(R) choice of victims over many admissions)."""
 COUNTERS = ("clock", "free", "admitted", "evicted", "default_lookups")
 """The map's scalar state: training lookups so far, free rows, ids admitted and evicted so far,
 lookups (occurrences) that read the default row."""
-_NEVER = torch.iinfo(torch.int64).max
+
+
+def sketch_width(rows: int) -> int:
+    """Counters per sketch row: twice the table's rows, within [2^16, 2^20] (wide enough that the
+    counts of a table's candidates are not drowned in collisions; 16 MB at most)."""
+    return min(max(2 * rows, 1 << 16), 1 << 20)
 
 Reset = Callable[[torch.Tensor, torch.Tensor], None]
 """reset(rows int64 [k], ids int64 [k]): fresh weights and optimizer state for rows given to ids."""
@@ -62,7 +67,7 @@ class DynamicIdMap:
         self.rows, self.cfg, self.reset = rows, cfg, reset
         views = storage or {}
         self.table = IdHashTable(rows - 1, views.get("keys"), views.get("slots"))
-        self.sketch = CountMinSketch(max(1024, rows)) if cfg.admit_after > 1 or cfg.evict == "lfu" else None
+        self.sketch = CountMinSketch(sketch_width(rows)) if cfg.admit_after > 1 or cfg.evict == "lfu" else None
         self.row_id = torch.zeros(rows, dtype=torch.int64)  # [R] the id each row holds
         self.used = torch.zeros(rows, dtype=torch.bool)  # [R] row 0 is never "used" by an id
         self.last = views.get("last", torch.zeros(rows, dtype=torch.int64))  # [R] clock of the last training use
@@ -142,13 +147,15 @@ class DynamicIdMap:
             self._release(self._victims(max(k - free, (self.rows - 1) // EVICT_CHUNK), clock))
             take = torch.arange(min(k, self._get("free")))
         n, top = take.numel(), self._get("free")
+        if n == 0:
+            return take, take
         slots = self.free[top - n : top].flip(0)  # [n], popped
         self._add("free", -n)
         chosen = ids[take]
         self.table.insert(chosen, slots)
         self.row_id[slots], self.used[slots] = chosen, True
         self.last[slots], self.uses[slots] = clock, priority[take]
-        if self.reset is not None and n:
+        if self.reset is not None:
             self.reset(slots, chosen)
         self._add("admitted", n)
         return take, slots

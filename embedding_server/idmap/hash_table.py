@@ -1,13 +1,13 @@
 """A vectorised open-addressing hash table in torch tensors: raw 64-bit ids -> slots.
 
-Linear probing over ``H`` buckets (a power of two, at least twice the slots, so the live load
-stays at or below one half). Every operation works on a whole batch of keys at once: each probe
+Linear probing over ``H`` buckets (a power of two, at least three times the slots, so the live
+load stays at or below one third and probe chains stay short). Every operation works on a whole batch of keys at once: each probe
 round gathers the bucket of every key still unresolved and moves the unresolved ones one bucket
 on, so a batch costs (longest probe) rounds of tensor ops, never a Python loop per id.
 
 Buckets hold a key and a slot; slot -1 is empty, -2 a tombstone (a deleted key: lookups probe
-past it, inserts reuse it). When live keys plus tombstones pass 3/4 of the buckets the table is
-rebuilt from its live keys.
+past it, inserts reuse it). When live keys plus tombstones pass half of the buckets the table
+is rebuilt from its live keys.
 
 Shape letters: H buckets, n keys in a call.
 """
@@ -37,8 +37,8 @@ def mix64(ids: torch.Tensor, salt: int = 0) -> torch.Tensor:
 
 
 def buckets_for(capacity: int) -> int:
-    """H of a table of ``capacity`` keys: a power of two, at least twice the capacity."""
-    return 1 << max(4, (2 * max(1, capacity) - 1).bit_length())
+    """H of a table of ``capacity`` keys: a power of two, at least three times the capacity."""
+    return 1 << max(4, (3 * max(1, capacity) - 1).bit_length())
 
 
 def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torch.Tensor | int,
@@ -104,7 +104,7 @@ class IdHashTable:
 
     def insert(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
         """Add ``keys`` (distinct, all absent) with their ``slots``."""
-        if self.live + self.tombstones + keys.numel() > (self.mask + 1) * 3 // 4:
+        if self.live + self.tombstones + keys.numel() > (self.mask + 1) // 2:
             self._rebuild()
         pos = self._home(keys)
         active = torch.arange(keys.numel())

@@ -2,7 +2,7 @@
 
 ``depth`` rows of ``width`` int32 counters; an id adds to one counter per row (each row its own
 hash) and its estimate is the smallest of them, never below its true count. Counters halve once
-the increments since the last halving reach ``10 * width`` (TinyLFU's reset), so the counts
+the increments since the last halving reach ``RESET_FACTOR * width`` (TinyLFU's reset), so the counts
 follow the recent stream and the sketch never saturates, whatever the number of distinct ids.
 
 Shape letters: d rows (depth), W counters per row (width), n ids in a call.
@@ -14,8 +14,9 @@ import torch
 
 from embedding_server.idmap.hash_table import mix64
 
-RESET_FACTOR = 10
-"""Increments per counter (on average) between two halvings."""
+RESET_FACTOR = 2
+"""Increments per counter (on average) between two halvings: low, so that collisions add little
+to an estimate (TinyLFU's sample is 10x its cache; our sketch is wider instead)."""
 
 
 class CountMinSketch:
@@ -34,9 +35,12 @@ class CountMinSketch:
         self.added = torch.zeros((), dtype=torch.int64)  # increments since the last halving
 
     def _cells(self, ids: torch.Tensor) -> torch.Tensor:
-        """Flat counter index of each id in each row, int64 [d, n]."""
-        rows = [(mix64(ids, salt=1 + r) & (self.width - 1)) + r * self.width for r in range(self.depth)]
-        return torch.stack(rows)
+        """Flat counter index of each id in each row, int64 [d, n]: double hashing, h1 + r * h2
+        from the two 32-bit halves of one mixed hash (Kirsch & Mitzenmacher)."""
+        h = mix64(ids, salt=1)
+        h1, h2 = h & 0xFFFFFFFF, (h >> 32) | 1  # [n] each
+        r = torch.arange(self.depth, dtype=torch.int64)[:, None]  # [d, 1]
+        return ((h1 + r * h2) & (self.width - 1)) + r * self.width
 
     def estimate(self, ids: torch.Tensor) -> torch.Tensor:
         """Estimated count of each id, int32 [n] (never below the true count since the last halving)."""
