@@ -111,3 +111,12 @@ def test_dynamic_run_reports_rows_and_resumes_exactly(synth_small, tmp_path):
     assert max(written["embedding_ids_evicted"].values()) > 0  # vocabularies beyond 300 rows
     assert written["embedding_default_row_lookups"]["C1"] > 0
     assert written["embedding_ids_admitted"] == metrics_b["embedding_ids_admitted"]
+
+
+def test_live_updates_refuse_dynamic_tables(synth_small, tmp_path):
+    from dlrm_core.errors import ConfigError
+
+    cfg = tiny_config(embedding={"ids": "dynamic"}, live={"store": f"file://{tmp_path / 'store'}"},
+                      train={"max_steps": 2})
+    with pytest.raises(ConfigError, match="live updates do not carry id maps"):
+        Trainer(cfg, tmp_path / "run").fit([synth_small / "train.txt"], [synth_small / "test.txt"])

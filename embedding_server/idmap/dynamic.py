@@ -138,7 +138,7 @@ class DynamicIdMap:
         if k > free and self.cfg.evict == "lfu":
             # TinyLFU: the i-th most frequent candidate replaces the i-th least used row only if
             # it was seen more often; a full table of frequent ids is not churned by the tail.
-            victims = self._victims(k - free, clock)
+            victims = self._victims(k - free, clock, below=int(priority[free]))
             rest = torch.arange(free, free + victims.numel())
             wins = priority[rest] > self.uses[victims]
             self._release(victims[wins])
@@ -160,16 +160,16 @@ class DynamicIdMap:
         self._add("admitted", n)
         return take, slots
 
-    def _victims(self, n: int, clock: int) -> torch.Tensor:
-        """Up to ``n`` rows the policy frees now, int64 [<= n]."""
+    def _victims(self, n: int, clock: int, below: int | None = None) -> torch.Tensor:
+        """Up to ``n`` rows the policy frees now, int64 [<= n]; ``below``: only rows used fewer
+        times (lfu: rows no candidate could beat are not worth sorting)."""
         if self.cfg.evict == "ttl":
             movable = self.used & (self.last <= clock - self.cfg.ttl_steps)
         else:
             movable = self.used & (self.last < clock - 1)  # this and the previous lookup's rows stay
-        if self.cfg.evict == "lfu":
-            score = self.uses
-        else:
-            score = self.last
+        if below is not None:
+            movable &= self.uses < below
+        score = self.uses if self.cfg.evict == "lfu" else self.last
         candidates = torch.nonzero(movable).squeeze(1)
         # Least recent (lru, ttl) / least used, then least recent (lfu); ties: lowest row.
         order = torch.argsort(self.last[candidates], stable=True)
