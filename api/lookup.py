@@ -1,7 +1,9 @@
 """Row lookups of one request: per table, the distinct rows its features ask for go through the
 row cache, the misses of every table to the store in one round trip, the table's default row
 where the store lacks one (a row missing from a version the store still holds: a deleted version
-raises instead); then each feature's bags are pooled as in training."""
+raises instead); then each feature's bags are pooled as in training. A dynamic table's raw ids
+first become rows through the version's id map (sorted ids, ``searchsorted``): an id it does not
+hold reads row 0, the table's default row, as in training's evaluation, and is counted."""
 
 from __future__ import annotations
 
@@ -14,6 +16,28 @@ import torch.nn.functional as nnf
 from api.metrics import ServingMetrics
 from api.model import ServingModel
 from embedding_server.stores import ServingStore
+
+
+def dynamic_rows(model: ServingModel, metrics: ServingMetrics, ids: np.ndarray, offsets: np.ndarray,
+                 batch: int) -> np.ndarray:
+    """ids int64 [N] with each dynamic table's raw ids replaced by their rows (0: not admitted)."""
+    if not model.id_maps:
+        return ids
+    out = ids.copy()
+    spec = model.spec
+    for f, t in enumerate(spec.feature_tables):
+        name = spec.tables[t].name
+        if name not in model.id_maps:
+            continue
+        keys, rows = model.id_maps[name]
+        lo, hi = offsets[f * batch], offsets[(f + 1) * batch]
+        raw = ids[lo:hi]
+        at = np.minimum(np.searchsorted(keys, raw), max(len(keys) - 1, 0))
+        known = (keys[at] == raw) if len(keys) else np.zeros(len(raw), bool)
+        out[lo:hi] = np.where(known, rows[at] if len(keys) else 0, 0)
+        if not known.all():
+            metrics.unknown_ids.labels(table=name).inc(int((~known).sum()))
+    return out
 
 
 def _table_rows(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int):
@@ -66,7 +90,7 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
         got, present = fetched[name]
         missing = ~present
         if missing.any():
-            metrics.unknown_ids.inc(int(missing.sum()))
+            metrics.unknown_ids.labels(table=name).inc(int(missing.sum()))
             got[missing] = model.defaults[name]
         out[t][~hits[t]] = got
         if cache is not None and present.any():
@@ -78,6 +102,7 @@ def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids
           batch: int) -> torch.Tensor:
     """Pooled embeddings float [B, sum(D_f)] of a feature-major id batch."""
     spec = model.spec
+    ids = dynamic_rows(model, metrics, ids, offsets, batch)
     uniques, inverse = _table_rows(model, ids, offsets, batch)
     rows = _fetch(store, metrics, model, uniques)
     pooled = []

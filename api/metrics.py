@@ -56,8 +56,8 @@ class ServingMetrics:
         self.cache_misses = Counter("dlrm_cache_misses_total", "Row lookups that went to the store", registry=r)
         self.lookups = Counter("dlrm_row_lookups_total", "Distinct rows looked up", registry=r)
         self.unknown_ids = Counter(
-            "dlrm_unknown_ids_total", "Rows missing from a version the store holds (served its default row)",
-            registry=r)
+            "dlrm_unknown_ids_total", "Ids served their table's default row: rows missing from a version "
+            "the store holds, ids a dynamic table never admitted", ["table"], registry=r)
         self.store_errors = Counter("dlrm_store_errors_total", "Failed store calls", ["operation"], registry=r)
         self.reloads = Counter(
             "dlrm_version_loads_total", "Versions loaded, by reason (new: the store's current one moved or "

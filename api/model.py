@@ -39,7 +39,8 @@ class ServingModel:
     in the version's live updates (``cursor``, ``generation``)."""
 
     def __init__(self, meta: ModelVersion, dense: torch.nn.Module, cache_bytes: float, remote: bool,
-                 cursor: str | None = None, generation: int = 0) -> None:
+                 cursor: str | None = None, generation: int = 0,
+                 id_maps: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
         self.meta = meta
         self.version = meta.version
         self.spec: FeatureSpec = meta.spec
@@ -53,6 +54,8 @@ class ServingModel:
         self.featurizer = Featurizer(meta.spec, with_label=False)
         self.lines = LineParser(meta.spec) if meta.spec.columns else None
         """Parses lines in the model's input layout (None: the version does not record its columns)."""
+        self.id_maps = id_maps or {}
+        """Dynamic tables: (admitted ids int64 [n] sorted, their rows int64 [n]), by table name."""
         self.cursor = cursor
         """The store's live-update cursor of this version."""
         self.generation = generation

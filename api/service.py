@@ -53,8 +53,9 @@ class ModelService:
         start = self.store.poll_updates(version, None)  # updates after this are applied later
         dense = build_dense(meta, self.store.read_dense(version))
         warm_up(dense, meta)
+        id_maps = {t.name: self.store.read_id_map(version, t.name) for t in meta.spec.tables if t.dynamic is not None}
         model = ServingModel(meta, dense, self.settings.cache_mb * 2**20, self.store.remote,
-                             cursor=start.cursor, generation=start.generation)
+                             cursor=start.cursor, generation=start.generation, id_maps=id_maps)
         # One request through the whole path (featurising, lookups, network) before real ones.
         empty = PositionalInstance(dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.categorical))
         self.score(model, featurize_instances(meta.spec, model.featurizer, [empty]))

@@ -12,9 +12,15 @@ same columns, several seeds):
 * a generated user-style CSV table (``dlrm data synth --format csv``: the label in the middle, an
   ignored id column, string and integer categoricals, a multi-hot column, numeric columns with
   gaps), 500k / 100k rows, beside its Bayes-optimal AUC;
-* the real Avazu sample (../shared/data/avazu-wideresdnn: 8,999 rows to train, 1,000 to test).
+* the real Avazu sample (../shared/data/avazu-wideresdnn: 8,999 rows to train, 1,000 to test);
 
-Usage: python bench/quality.py [--parts criteo,own] [--synth-rows 500000] [--seeds 3].
+and, for choosing hashed or dynamic ids (``--parts ids``): test AUC against table rows, both
+modes, several seeds, on generated data where collisions cost AUC (a flatter Zipf law,
+``--ids-zipf``, so that tens of thousands of ids per feature are each seen many times; tables
+capped well below the vocabularies, ``--capacities``), beside the uncapped hashed table, and on
+the real Criteo sample.
+
+Usage: python bench/quality.py [--parts criteo,own,ids] [--synth-rows 500000] [--seeds 3].
 Writes bench/results/quality.{json,md} (the parts run, merged with the others' last results).
 """
 
@@ -160,12 +166,46 @@ def own_part(args, quiet: list[dict]) -> dict:
     return results
 
 
+def ids_part(args, quiet: list[dict]) -> dict:
+    """Hashed vs dynamic ids at equal rows: the AUC-vs-rows curve (mean of ``--seeds`` seeds)."""
+    data = args.work / f"ids-{args.ids_rows}-zipf{args.ids_zipf}"
+    if not (data / "bayes.json").exists():
+        print(f"generating {args.ids_rows:,} rows (zipf {args.ids_zipf}) into {data}", file=sys.stderr)
+        synthesize(data, args.ids_rows, args.synth_test_rows, seed=0, zipf=args.ids_zipf)
+    dynamic = {"ids": "dynamic", "admit_after": args.admit_after, "evict": args.evict}
+    sets = {f"generated-{args.ids_rows // 1000}k, zipf {args.ids_zipf}": (data / "train.txt", data / "test.txt"),
+            "criteo-sample": (args.criteo / "train.txt", args.criteo / "test.txt")}
+    results = {}
+    for name, (train, test) in sets.items():
+        if not train.exists():
+            continue
+        row = {}
+        for rows in [int(c) for c in args.capacities.split(",")] + [args.unlimited]:
+            modes = ("hashed", "dynamic") if rows != args.unlimited else ("hashed",)
+            for mode in modes:
+                extra = {"embedding": {"hash_size": rows, **(dynamic if mode == "dynamic" else {})}}
+                runs = []
+                for seed in range(args.seeds):
+                    print(f"{name}: {mode}, {rows} rows, seed {seed}", file=sys.stderr, flush=True)
+                    runs.append(run_ours(load_config(None, quiet + [extra, {"train": {"seed": seed}}]), train, test))
+                label = f"{mode}, {rows:,} rows per table" + (" (uncapped)" if rows == args.unlimited else "")
+                row[label] = {**mean_of(runs), "rows": rows, "mode": mode}
+        results[f"ids: {name}"] = row
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="criteo,own", help="comma-separated: criteo, own")
     p.add_argument("--synth-rows", type=int, default=500_000)
     p.add_argument("--synth-test-rows", type=int, default=100_000)
     p.add_argument("--seeds", type=int, default=3, help="seeds of the own-data runs (mean reported)")
+    p.add_argument("--ids-rows", type=int, default=500_000, help="ids part: training rows")
+    p.add_argument("--ids-zipf", type=float, default=0.8, help="ids part: Zipf exponent of the ids")
+    p.add_argument("--capacities", default="500,2000,8000", help="ids part: rows per table")
+    p.add_argument("--unlimited", type=int, default=100_000, help="ids part: uncapped rows (the largest vocabulary)")
+    p.add_argument("--admit-after", type=int, default=1, help="ids part: dynamic tables' admit_after")
+    p.add_argument("--evict", default="lfu", help="ids part: dynamic tables' eviction policy")
     p.add_argument("--criteo", type=Path, default=REPO.parent / "shared" / "data" / "criteo-wideresdnn")
     p.add_argument("--avazu", type=Path, default=REPO.parent / "shared" / "data" / "avazu-wideresdnn")
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench")
@@ -183,6 +223,8 @@ def main() -> None:
         results.update(criteo_part(args, default, lr))
     if "own" in parts:
         results.update(own_part(args, quiet))
+    if "ids" in parts:
+        results.update(ids_part(args, quiet))
     out = {"results": results, "date": time.strftime("%Y-%m-%d %H:%M"), "plain_lr": PLAIN_LR,
            "default_config": default.model_dump(mode="json"), "parts_run": sorted(parts)}
     args.out.mkdir(parents=True, exist_ok=True)

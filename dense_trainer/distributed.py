@@ -48,6 +48,7 @@ from embedding_server.planner import (
     piece_bytes,
     plan_sharding,
     table_factors,
+    wire_id_bound,
 )
 from embedding_server.server import EmbeddingServer
 from embedding_server.towers.layout import TowerLayout
@@ -153,8 +154,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         dist.broadcast_object_list(holder, src=0)
         plan = ShardingPlan.model_validate_json(holder[0])
         open_slow_group(cluster, slow_timeout_s(cfg, plan))
-        cluster.transport = open_transport(cluster, ids_dtype(max((p.rows for p in plan.pieces), default=0)))
         spec = cfg.feature_spec()
+        cluster.transport = open_transport(cluster, ids_dtype(wire_id_bound(plan, spec)))
         layout = tower_layout(cfg, cluster.topology)
         chunks = exchange_chunks(d.exchange_chunks, cluster, layout is not None)
         # Every rank makes every tower's group (a collective), in tower order.

@@ -71,6 +71,8 @@ def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
     metrics["rows_parsed_by_trainer"] = [r["rows_parsed"] for r in trainers] if trainers else [s.parse_rows]
     if cluster_stats is not None:
         metrics.update(cluster_metrics(cluster_stats, sum(trainer.client.output_dims()), len(trainer.spec.tables), s))
+    servers = [r.get("ids", {}) for r in (cluster_stats or {}).get("ranks", []) if "server" in r]
+    metrics.update(id_metrics({k: v for part in [trainer.client.id_stats(), *servers] for k, v in part.items()}))
     if not trainer.is_master:
         return metrics
     (trainer.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
@@ -79,6 +81,15 @@ def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
     return metrics
 
 
+def id_metrics(stats: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Dynamic tables' id maps (table -> counts): rows in use (admitted ids plus the default row),
+    ids admitted and evicted so far, training lookups that read the default row. Empty with no
+    dynamic table."""
+    if not stats:
+        return {}
+    pick = lambda key: {name: s[key] for name, s in sorted(stats.items())}  # noqa: E731
+    return {"embedding_rows_used": pick("rows_used"), "embedding_ids_admitted": pick("admitted"),
+            "embedding_ids_evicted": pick("evicted"), "embedding_default_row_lookups": pick("default_lookups")}
 
 
 def cluster_metrics(stats: dict, width: int, num_tables: int, state: TrainState) -> dict[str, Any]:
@@ -151,6 +162,15 @@ def format_metrics(m: dict) -> str:
     return "\n".join(lines)
 
 
+def id_progress(stats: dict[str, dict[str, int]]) -> dict[str, str]:
+    """The progress bar's summary of the dynamic tables (none: nothing)."""
+    if not stats:
+        return {}
+    total = lambda key: sum(s[key] for s in stats.values())  # noqa: E731
+    return {"rows": f"{total('rows_used'):,}", "admitted": f"{total('admitted'):,}",
+            "evicted": f"{total('evicted'):,}", "default": f"{total('default_lookups'):,}"}
+
+
 class RunningLoss:
     """The progress bar and the running training loss in the history (every 20 steps)."""
 
@@ -173,7 +193,7 @@ class RunningLoss:
         self.samples += b
         if self.steps % 20 == 0 or self.steps == 1:
             running = float(self.loss_sum) / self.samples
-            self.bar.set_postfix(loss=f"{running:.4f}", epoch=epoch, refresh=False)
+            self.bar.set_postfix(loss=f"{running:.4f}", epoch=epoch, **id_progress(t.client.id_stats()), refresh=False)
             t.state.history.append({"samples": t.state.samples_seen, "train_loss": running})
             self.loss_sum.zero_()
             self.samples = 0

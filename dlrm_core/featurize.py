@@ -9,8 +9,9 @@ lists from Parquet), plus the label. Output: a :class:`ParsedBlock`:
   transformed (``log1p``, ``standardize``, ``none``), missing values replaced by ``missing``;
 * categorical: each value -> a 64-bit id (``string``: a stable hash of its UTF-8 bytes, an integer
   hashed as its decimal spelling; ``int``: its value; ``hex``: its value in hex) -> row
-  ``id % rows`` of the feature's table; a missing one-hot value is id 0; a multi-hot cell is split
-  at the separator (or is a list), empty values dropped, so ``""``, ``[]`` and null are empty bags.
+  ``id % rows`` of the feature's table (a ``dynamic`` table: the raw id, which the parameter node
+  maps to a row); a missing one-hot value is id 0; a multi-hot cell is split at the separator
+  (or is a list), empty values dropped, so ``""``, ``[]`` and null are empty bags.
 
 The string hash is defined on 8-byte little-endian words of the value, zero-padded, so it is the
 same on every machine and process: ``h = S ^ len * K2``; per word ``h = (h ^ w) * K1;
@@ -242,8 +243,11 @@ def _bags(values: pa.Array, sep: str | None) -> tuple[pa.Array, np.ndarray, np.n
     return flat, rows, np.bincount(rows, minlength=n).astype(np.int32)
 
 
-def to_rows(ids: np.ndarray, rows: int) -> np.ndarray:
-    """Row of each 64-bit id in a table of ``rows`` rows: ``id % rows`` (int64)."""
+def to_rows(ids: np.ndarray, rows: int | None) -> np.ndarray:
+    """Row of each 64-bit id in a table of ``rows`` rows: ``id % rows`` (int64); ``rows`` None
+    (a dynamic table): the raw id itself, its 64 bits as int64 (the table's id map finds the row)."""
+    if rows is None:
+        return ids.astype(np.uint64, copy=False).view(np.int64)
     return (ids.astype(np.uint64, copy=False) % np.uint64(rows)).astype(np.int64)
 
 
@@ -302,7 +306,8 @@ class Featurizer:
     def __init__(self, spec: FeatureSpec, with_label: bool = True) -> None:
         self.spec = spec
         self.with_label = with_label
-        self.table_rows = [spec.table_of(f).rows for f in range(len(spec.categorical))]
+        tables = [spec.table_of(f) for f in range(len(spec.categorical))]
+        self.table_rows = [t.rows if t.dynamic is None else None for t in tables]  # None: raw ids
         self.multi_hot = any(f.separator is not None for f in spec.categorical)
 
     def __call__(self, columns: Mapping[str, pa.Array], n: int, lines: np.ndarray, file: str,

@@ -76,6 +76,25 @@ class CategoricalFeature(Section):
 Feature = Annotated[DenseFeature | CategoricalFeature, Field(discriminator="kind")]
 
 
+IdMode = Literal["hashed", "dynamic"]
+EvictPolicy = Literal["lru", "lfu", "ttl"]
+
+
+class DynamicIds(BaseModel):
+    """How a ``dynamic`` table gives rows to raw 64-bit ids (``embedding_server/idmap/``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    admit_after: int = Field(default=1, ge=1)
+    """Occurrences (in training lookups, counted by a count-min sketch) before an id gets a row
+    of its own; until then it reads and trains the table's shared default row (row 0)."""
+    evict: EvictPolicy = "lru"
+    """When every row is taken: lru frees the least recently used rows, lfu the least used
+    (ties: least recent), ttl only rows unused for ttl_steps (none left: new ids wait)."""
+    ttl_steps: int = Field(default=10_000, ge=1)
+    """ttl: training lookups after which an unused id loses its row."""
+
+
 class TableSpec(BaseModel):
     """One embedding table, looked up by one or more categorical features."""
 
@@ -89,6 +108,14 @@ class TableSpec(BaseModel):
     """Embedding dimension of the table."""
     pooling: Literal["sum", "mean"] = "sum"
     """How the rows of a multi-hot bag are pooled into one vector."""
+    dynamic: DynamicIds | None = None
+    """None: hashed ids (row = id % rows); else raw 64-bit ids, each admitted id its own row
+    (rows are the capacity), the rest sharing row 0."""
+
+    @property
+    def ids(self) -> IdMode:
+        """``hashed`` or ``dynamic``."""
+        return "hashed" if self.dynamic is None else "dynamic"
 
     @property
     def num_bytes(self) -> int:
@@ -195,6 +222,18 @@ def criteo_spec(rows: list[int], dims: list[int], pooling: str = "sum", separato
 
 # -- resolving a declared schema -------------------------------------------------------------------------
 
+_ID_SETTINGS = ("admit_after", "evict", "ttl_steps")
+
+
+def _dynamic_ids(defaults: dict, override: dict) -> DynamicIds | None:
+    """A table's id mode: its override's settings over the [embedding] defaults."""
+    mode = override.get("ids") or defaults.get("ids") or "hashed"
+    if mode == "hashed":
+        return None
+    settings = {k: override.get(k, defaults.get(k)) for k in _ID_SETTINGS}
+    return DynamicIds(**{k: v for k, v in settings.items() if v is not None})
+
+
 FORMAT_DEFAULTS = {"criteo": (False, "\t"), "csv": (True, ","), "tsv": (True, "\t"), "parquet": (False, "\t")}
 """(header, delimiter) of each format unless set."""
 
@@ -215,8 +254,10 @@ def build_spec(
 
     Args:
         features: the ``[[features]]`` list.
-        table_defaults: ``dim``, ``hash_size``, ``pooling`` for tables that do not say.
-        table_overrides: per table name, ``rows`` / ``dim`` / ``pooling`` (``[[embedding.tables]]``).
+        table_defaults: ``dim``, ``hash_size``, ``pooling``, ``ids``, ``admit_after``, ``evict``,
+            ``ttl_steps`` for tables that do not say.
+        table_overrides: per table name, ``rows`` / ``dim`` / ``pooling`` / the id settings
+            (``[[embedding.tables]]``).
         force_dim: every table's dim (1 for the logistic-regression baseline).
 
     Raises:
@@ -249,7 +290,8 @@ def build_spec(
         rows = o.get("rows") or t.get("rows")
         rows = min(rows, defaults["hash_size"]) if rows else defaults["hash_size"]
         dim = force_dim or o.get("dim") or t.get("dim") or defaults["dim"]
-        specs.append(TableSpec(name=name, rows=rows, dim=dim, pooling=o.get("pooling") or t.get("pooling") or defaults["pooling"]))
+        specs.append(TableSpec(name=name, rows=rows, dim=dim, pooling=o.get("pooling") or t.get("pooling") or defaults["pooling"],
+                               dynamic=_dynamic_ids(defaults, o)))
     if format == "criteo" and columns is None and label is None:
         columns, label = CRITEO_COLUMNS, "label"
     if label is None:

@@ -88,6 +88,11 @@ class EmbeddingClient(ABC):
         """Traffic and time counters of the lookups so far (empty when nothing crosses a wire)."""
         return {}
 
+    def id_stats(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table: rows_used, admitted, evicted, default_lookups, as held here (a
+        distributed client holds none: the servers report theirs when they stop)."""
+        return {}
+
     @property
     @abstractmethod
     def kernel(self) -> str:

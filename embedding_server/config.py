@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from dlrm_core.config import Section, flag
+from dlrm_core.schema import EvictPolicy, IdMode
 from embedding_server.optimizers import SparseOptimizerConfig
 
 
@@ -22,6 +23,14 @@ class TableOverride(Section):
     """Embedding dim of this table."""
     pooling: Literal["sum", "mean"] | None = None
     """Pooling of multi-hot bags for this table."""
+    ids: IdMode | None = None
+    """This table's id mode (see [embedding] ids)."""
+    admit_after: int | None = Field(default=None, ge=1)
+    """Dynamic ids: this table's admission threshold (see [embedding] admit_after)."""
+    evict: EvictPolicy | None = None
+    """Dynamic ids: this table's eviction policy (see [embedding] evict)."""
+    ttl_steps: int | None = Field(default=None, ge=1)
+    """Dynamic ids: this table's expiry (see [embedding] ttl_steps)."""
 
 
 class EmbeddingConfig(Section):
@@ -33,6 +42,19 @@ class EmbeddingConfig(Section):
     """Rows per table; a table with its own ``rows`` gets min(rows, hash_size)."""
     pooling: Literal["sum", "mean"] = "sum"
     """Pooling of multi-hot bags."""
+    ids: IdMode = "hashed"
+    """hashed: row = id % rows (ids collide once the vocabulary outgrows the table); dynamic:
+    raw 64-bit ids, each admitted id a row of its own while it holds one, the table's rows its
+    capacity (row 0 shared by ids not admitted), ``embedding_server/idmap/``. Per table:
+    ``[[embedding.tables]] ids``."""
+    admit_after: int = Field(default=1, ge=1)
+    """Dynamic ids: occurrences (training lookups, count-min sketch) before an id gets its own
+    row; 1 admits every id at first sight."""
+    evict: EvictPolicy = "lru"
+    """Dynamic ids, when every row is taken: lru (least recently used rows go), lfu (least
+    used), ttl (only rows unused for ttl_steps; none: new ids share row 0 meanwhile)."""
+    ttl_steps: int = Field(default=10_000, ge=1)
+    """Dynamic ids, evict = ttl: training steps after which an unused id loses its row."""
     tables: list[TableOverride] = []
     """Per-table overrides, e.g. ``{name = "C3", rows = 10000000, dim = 32}``."""
     init_scale: float = Field(default=0.05, ge=0)

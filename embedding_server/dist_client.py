@@ -34,7 +34,7 @@ from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import FeatureSpec
 from embedding_server.client import EmbeddingClient
 from embedding_server.cluster import Cluster
-from embedding_server.planner import ShardingPlan
+from embedding_server.planner import ShardingPlan, wire_id_bound
 from embedding_server.sharding import SCHEMES
 from embedding_server.table_snapshot import CutRequest
 from embedding_server.transport import GRADS, POOLED, Pending
@@ -176,7 +176,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self.feature_pieces = [plan.pieces_of(spec.tables[t].name) for t in spec.feature_tables]
         self.transport = cluster.transport
         self.servers = [self.roles.server_rank(s) for s in range(self.roles.num_servers)]
-        self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))
+        self.id_dtype = ids_dtype(wire_id_bound(plan, spec))
         self.stage = stage or FlatStage(plan, spec, self.roles.num_servers, chunks)
         self._placeholder = torch.zeros(0, requires_grad=True)
         self._stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0, "prefetched": 0}

@@ -139,6 +139,15 @@ def _col_blocks(dim: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(starts, sizes, strict=True))
 
 
+def _check_row_wise(table: TableSpec) -> None:
+    """A dynamic table's rows belong to ids, not to row ranges: it is never split by rows."""
+    if table.dynamic is not None:
+        raise ConfigError(
+            f"table {table.name} has dynamic ids and cannot be split row-wise: place it whole "
+            f"(--sharding table_wise or column_wise) or raise --server-memory"
+        )
+
+
 def plan_sharding(
     spec: FeatureSpec,
     num_servers: int,
@@ -173,6 +182,7 @@ def plan_sharding(
         work[server] += factors[t] * share * dim
 
     def row_wise(t: int, table: TableSpec) -> None:
+        _check_row_wise(table)
         blocks = _row_blocks(table.rows, num_servers)
         for server, (_, rows) in enumerate(blocks):
             need = piece_bytes(rows, table.dim, optimizer)
@@ -217,6 +227,14 @@ def plan_sharding(
             f"{_fmt(used[s] - budget)} short (largest piece: table {worst.table})"
         )
     return ShardingPlan(num_servers=num_servers, pieces=pieces)
+
+
+def wire_id_bound(plan: ShardingPlan, spec: FeatureSpec) -> int:
+    """Bound of the ids trainers send to servers: a piece's rows, or 2^63 when a dynamic table's
+    raw 64-bit ids travel (``wire.ids_dtype`` picks int32 or int64 from it)."""
+    if any(spec.tables[p.table_index].dynamic is not None for p in plan.pieces):
+        return 2**63
+    return max((p.rows for p in plan.pieces), default=0)
 
 
 def _fmt(n: float) -> str:

@@ -1,7 +1,8 @@
 """``dlrm publish``: a checkpoint becomes one complete serving version in a store.
 
 Tables are streamed in chunks of rows from the memory-mapped checkpoint, so memory stays bounded
-whatever their size. While streaming, each table's *default embedding* (what serving returns for
+whatever their size. A dynamic table also carries its id map (admitted ids, sorted, and their
+rows), which serving searches to find an id's row (row 0, its default, for any other id). While streaming, each table's *default embedding* (what serving returns for
 a row missing from the store) is computed as the mean of its trained rows: rows whose weights
 differ from their (re-generated, seeded) initial values.
 """
@@ -42,6 +43,18 @@ def resolve_checkpoint(path: Path) -> Path:
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     raise CheckpointError(f"{path}: no checkpoint there (no manifest.json or latest pointer)")
+
+
+def published_id_map(tables: CheckpointTables, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A dynamic table's admitted ids, sorted, and their rows (int64 [n] each), from a checkpoint."""
+    state = tables.id_map(name)
+    if not state:
+        raise CheckpointError(f"checkpoint {tables.path}: dynamic table {name} has no id map")
+    keys, slots = state[f"{name}.idmap.table.keys"], state[f"{name}.idmap.table.slots"]
+    live = slots >= 0
+    ids, rows = keys[live].numpy(), slots[live].numpy()
+    order = np.argsort(ids, kind="stable")
+    return ids[order].astype(np.int64), rows[order].astype(np.int64)
 
 
 def publish_checkpoint(
@@ -93,6 +106,9 @@ def publish_checkpoint(
                 writer.write_rows(table.name, start, rows.numpy())
             defaults[table.name] = (total / trained if trained else total).astype(np.float32).tolist()
             log.debug("published %s: %d rows (%d trained)", table.name, table.rows, trained)
+        for table in spec.tables:
+            if table.dynamic is not None:
+                writer.write_id_map(table.name, *published_id_map(tables, table.name))
         writer.meta = out.model_copy(update={"default_rows": defaults})
         writer.write_dense({k: v for k, v in dense.items() if isinstance(v, torch.Tensor)})
         writer.commit()

@@ -38,7 +38,7 @@ from embedding_server.ckpt_writer import CheckpointWriter
 from embedding_server.cluster import Cluster
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
 from embedding_server.live import LivePusher
-from embedding_server.planner import ShardingPlan
+from embedding_server.planner import ShardingPlan, wire_id_bound
 from embedding_server.server_checkpoint import ServerCheckpoints
 from embedding_server.shard import EmbeddingShard, ShardSet
 from embedding_server.table_checkpoint import CheckpointTables
@@ -155,7 +155,7 @@ class EmbeddingServer:
         self.live_config = live
         self.live: LivePusher | None = None
         self.transport = cluster.transport
-        self.id_dtype = ids_dtype(max((p.rows for p in plan.pieces), default=0))  # as the trainers send
+        self.id_dtype = ids_dtype(wire_id_bound(plan, spec))  # as the trainers send
         self.stage: ServerStage = (stage or FlatStage)(self)
         self.semi_sync = dist.pipeline == "semi-sync" and self.stage.deferrable and self.transport.pipelined
         # Lockstep applies each update as soon as its gradients arrive; pipelined runs keep it
@@ -193,7 +193,8 @@ class EmbeddingServer:
                 self.checkpoints.close(self.cluster.slow_timeout_s or 600.0)
                 if self.live is not None:
                     self.live.close()
-                return {"server": self.index, "steps": self.steps, **self.timings, **self.transport.stats}
+                ids = self.shard.id_stats() if self.shard is not None else {}
+                return {"server": self.index, "steps": self.steps, "ids": ids, **self.timings, **self.transport.stats}
             if command == Command.LIVE_START:
                 holder = [None]  # the version the master publishes now (it may take minutes)
                 dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)

@@ -19,6 +19,7 @@ from torch import nn
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
 from embedding_server.client import EmbeddingClient
+from embedding_server.idmap.remap import ShardIdMaps
 from embedding_server.local_table import LocalTable, init_rows
 from embedding_server.optimizers import SparseOptimizerConfig, state_shapes
 from embedding_server.table_checkpoint import CheckpointTables
@@ -102,6 +103,9 @@ class EmbeddingShard(nn.Module):
         self.reset_parameters(seed)
         self.touched = TouchedRows([t.spec.rows for t in tables])
         """Rows trained (what checkpoints write: ``table_snapshot.py``)."""
+        # Dynamic tables: raw ids -> rows before the kernels (admission, eviction, row resets).
+        self._views: tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]] | None = None
+        self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, seed, init_scale)
 
     @property
     def output_dim(self) -> int:
@@ -118,6 +122,17 @@ class EmbeddingShard(nn.Module):
             for name, tensor in state.items():
                 tensor.fill_(start if name == "momentum1" else 0.0)
 
+    @torch.no_grad()
+    def _reset_rows(self, piece: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:
+        """Rows [k] of a piece given to new ids: weights ``fresh`` [k, D], optimizer state as new."""
+        if self._views is None:  # the kernels' storage never moves: views stay valid
+            self._views = (self._table_views(), self._state_views())
+        weights, states = self._views
+        weights[piece][rows] = fresh
+        start = self.optimizer_config.initial_accumulator
+        for name, tensor in states[piece].items():
+            tensor[rows] = start if name == "momentum1" else 0.0
+
     def _table_rank(self, feature: int) -> int:
         """Order of a feature's table among the tables, by first use."""
         return list(dict.fromkeys(self.feature_map)).index(self.feature_map[feature])
@@ -126,6 +141,8 @@ class EmbeddingShard(nn.Module):
         """Pooled embeddings of every bag: ids of F features for B examples -> float [B, sum(D_f)]."""
         if not self.kernels:  # a model without categorical features
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
+        if self.id_maps:  # a lookup that will be backpropagated trains: it may admit and evict
+            sparse = self.id_maps.remap(sparse, train=torch.is_grad_enabled())
         if torch.is_grad_enabled():  # a training lookup: its rows are updated on backward
             for f, piece in enumerate(self.feature_map):
                 self.touched.mark(piece, sparse.feature_values(f)[0].cpu())
@@ -172,7 +189,12 @@ class EmbeddingShard(nn.Module):
             for name, tensor in s.items():
                 out[f"{t.table.name}.{name}"] = tensor
         out["step"] = torch.tensor(self.kernels[0].step if len(self.kernels) else 0)
+        out.update(self.id_maps.state())
         return out
+
+    def id_stats(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table: rows_used, admitted, evicted, default_lookups (none: hashed)."""
+        return self.id_maps.stats()
 
     @torch.no_grad()
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -182,7 +204,7 @@ class EmbeddingShard(nn.Module):
         if missing:
             raise KeyError(f"checkpoint lacks {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         for name, dst in mine.items():
-            if name == "step":
+            if name == "step" or ".idmap." in name:
                 continue
             src = state[name]
             if tuple(src.shape) != tuple(dst.shape):
@@ -190,6 +212,7 @@ class EmbeddingShard(nn.Module):
             dst.copy_(src)
         for kernel in self.kernels:
             kernel.step = int(state["step"])
+        self.id_maps.load(state)
 
 
 class ShardSet:
@@ -217,6 +240,9 @@ class ShardSet:
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
         for shard in self.shards:
             shard.import_state(state)
+
+    def id_stats(self) -> dict[str, dict[str, int]]:
+        return {name: s for shard in self.shards for name, s in shard.id_stats().items()}
 
 
 class _TouchedSet:
@@ -281,6 +307,9 @@ class InProcessEmbeddingClient(EmbeddingClient):
     def table_weights(self) -> dict[str, torch.Tensor]:
         """Each table's weights (views), by name: what live updates push."""
         return self.shard.table_weights()
+
+    def id_stats(self) -> dict[str, dict[str, int]]:
+        return self.shard.id_stats()
 
     def live_start(self, publish: Callable[[], str] | None) -> str:
         """One process holds everything: publishing is all there is to do."""

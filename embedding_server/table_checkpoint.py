@@ -222,7 +222,23 @@ class CheckpointTables:
             name = local.table.name
             for state in ("weight", *state_names):
                 out[f"{name}.{state}"] = self.read(name, state, local.row_start, spec.rows, local.col_start, spec.dim)
+            if local.table.dynamic is not None:
+                out.update(self.id_map(name))
         return out
+
+    def id_map(self, table: str) -> dict[str, torch.Tensor]:
+        """A dynamic table's id map as of the checkpoint, ``<table>.idmap.<name>`` -> tensor
+        (every cut writes it whole; column pieces of a table hold identical maps). Empty when
+        the checkpoint has none."""
+        for layer in reversed(self.layers):
+            for p in layer.get(table, []):
+                if p.file is None or p.legacy is not None:
+                    continue
+                payload = self._load(p.layer, p.file)
+                maps = {f"{table}.{k}": v for k, v in payload.items() if k.startswith("idmap.")}
+                if maps:
+                    return maps
+        return {}
 
     @torch.no_grad()
     def load_into(self, shard) -> None:
@@ -247,5 +263,12 @@ class CheckpointTables:
                     else:
                         dst[r : r + n] = self.read(name, st, local.row_start + r, n, local.col_start, spec.dim)
             shard.touched.restored(i, saved, self.last_step)
+        for part in getattr(shard, "shards", [shard]):  # dynamic tables: their id maps
+            if part.id_maps:
+                maps = {}
+                for local in part.local_tables:
+                    if local.table.dynamic is not None:
+                        maps.update(self.id_map(local.table.name))
+                part.id_maps.load(maps)
         for kernel in shard.kernels:
             kernel.step = self.step

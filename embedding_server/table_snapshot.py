@@ -110,10 +110,13 @@ def snapshot_tables(shard, base_step: int | None, prefix: str) -> tuple[dict[str
                  "row_start": local.row_start, "rows": spec.rows, "col_start": local.col_start, "dim": spec.dim,
                  "file": None, "n": int(ids.numel()),
                  "bytes_allocated": spec.rows * (spec.dim * 4 + state_bytes_per_row(kind, spec.dim))}
-        if ids.numel():
-            payload = {"ids": ids.to(torch.int64)}
+        # A dynamic table's id map (raw id -> row) is written whole with every cut.
+        maps = {key[len(name) + 1:]: value.clone() for key, value in state.items()
+                if key.startswith(f"{name}.idmap.")}
+        if ids.numel() or maps:
+            payload = {"ids": ids.to(torch.int64), **maps}
             for key, value in state.items():
-                if key.startswith(f"{name}."):
+                if key.startswith(f"{name}.") and not key.startswith(f"{name}.idmap."):
                     payload[key[len(name) + 1:]] = value.index_select(0, ids)  # a copy
             entry["file"] = piece_file(prefix, local)
             files[entry["file"]] = payload

@@ -134,7 +134,8 @@ def parse_id_message(message: torch.Tensor) -> tuple[Command, int, int, torch.Te
 
 
 def ids_dtype(max_rows: int) -> torch.dtype:
-    """int32 ids on the wire when every piece's local rows fit (they nearly always do), else int64."""
+    """int32 ids on the wire when every id sent is below 2^31 (local rows nearly always are), else
+    int64 (pieces of 2^31 rows or more, raw ids of dynamic tables: ``planner.wire_id_bound``)."""
     return torch.int32 if max_rows < 2**31 else torch.int64
 
 

@@ -71,6 +71,10 @@ class VersionWriter(ABC):
         """The dense model's weights."""
 
     @abstractmethod
+    def write_id_map(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        """A dynamic table's admitted ids (int64 [n], sorted) and their rows (int64 [n])."""
+
+    @abstractmethod
     def commit(self) -> None:
         """Make the version complete and current (atomically), then collect old versions."""
 
@@ -132,6 +136,10 @@ class ServingStore(ABC):
     @abstractmethod
     def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``table`` (int64 ids [n]) -> (float32 [n, D], bool [n] present)."""
+
+    @abstractmethod
+    def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """A dynamic table's (ids int64 [n] sorted, rows int64 [n]), as :meth:`VersionWriter.write_id_map` wrote them."""
 
     def get_rows_many(
         self, version: str, requests: dict[str, np.ndarray]

@@ -5,6 +5,8 @@
     DIR/versions/<v>/meta.json           ModelVersion
     DIR/versions/<v>/dense.pt            dense weights (loaded with weights_only)
     DIR/versions/<v>/tables/<name>.npy   rows, float32 or float16 [rows, D], memory-mapped
+    DIR/versions/<v>/idmaps/<name>.npy   dynamic tables: int64 [2, n], admitted ids (sorted) over
+                                         their rows; readers ``searchsorted`` them
     DIR/versions/<v>/GENERATION          live updates written to the version so far
 
 A version is written under ``DIR/versions/.tmp-*`` and renamed into place when complete, and only
@@ -69,6 +71,10 @@ class FileVersionWriter(VersionWriter):
 
     def write_dense(self, state: dict[str, torch.Tensor]) -> None:
         (self.tmp / "dense.pt").write_bytes(encode_state(state))
+
+    def write_id_map(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        (self.tmp / "idmaps").mkdir(exist_ok=True)
+        np.save(self.tmp / "idmaps" / f"{table}.npy", np.stack([ids, rows]).astype(np.int64))
 
     def commit(self) -> None:
         for name in self._dims:  # tables never written are all zeros
@@ -174,6 +180,13 @@ class FileStore(ServingStore):
                     arr = np.load(self._vdir(version) / "tables" / f"{table}.npy", mmap_mode="r")
                     self._maps[key] = arr
         return arr
+
+    def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
+        try:
+            pair = np.load(self._vdir(version) / "idmaps" / f"{table}.npy", mmap_mode="r")
+        except FileNotFoundError:
+            raise VersionNotFound(f"{self.url}: version {version!r} has no id map of table {table}", version) from None
+        return pair[0], pair[1]
 
     def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         # A mapping outlives the deletion of its file: the rows read are the version's own.

@@ -9,6 +9,8 @@ Keys (``P`` is the prefix, default ``dlrm``):
     P:v:<v>:meta                   ModelVersion (JSON)
     P:v:<v>:dense                  dense weights (torch.save bytes, loaded with weights_only)
     P:v:<v>:t:<table>:<part>       hash: row id (decimal) -> row bytes (fp32/fp16), 1M rows a part
+    P:v:<v>:idmap:<table>          dynamic tables: int64 [2, n] bytes, admitted ids (sorted) over
+                                   their rows (read once per loaded version)
     P:v:<v>:gen                    live updates written to the version so far (its generation)
     P:v:<v>:updates                stream of live updates: {g: generation, t:<table>: int64 ids
                                    bytes, ...} or {g, dense: 1}
@@ -112,6 +114,10 @@ class RedisVersionWriter(VersionWriter):
 
     def write_dense(self, state: dict[str, torch.Tensor]) -> None:
         self._pipe.set(self.store.key("v", self.meta.version, "dense"), encode_state(state))
+
+    def write_id_map(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
+        pair = np.stack([ids, rows]).astype("<i8")
+        self._pipe.set(self.store.key("v", self.meta.version, "idmap", table), pair.tobytes())
 
     def commit(self) -> None:
         s, v = self.store, self.meta.version
@@ -270,6 +276,14 @@ class RedisStore(ServingStore):
         if raw is None:
             raise self._gone(version)
         return decode_state(raw)
+
+    def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
+        with self.errors():
+            raw = self.client.get(self.key("v", version, "idmap", table))
+        if raw is None:
+            raise self._gone(version)
+        pair = np.frombuffer(raw, dtype="<i8").reshape(2, -1).astype(np.int64)
+        return pair[0], pair[1]
 
     def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return self.get_rows_many(version, {table: ids})[table]

@@ -1,0 +1,18 @@
+"""Dynamic ids: raw 64-bit ids -> rows of a table of fixed capacity, on the parameter node.
+
+A ``dynamic`` table (``embedding.ids = "dynamic"``) receives raw ids from the featuriser (no
+modulo) and its shard maps them to rows before the fused kernel runs:
+
+    hash_table.py   IdHashTable: vectorised open addressing, id -> row (find / insert / delete)
+    sketch.py       CountMinSketch: bounded occurrence counts, for admission
+    dynamic.py      DynamicIdMap: one table's map: admission (admit_after), eviction (lru / lfu /
+                    ttl), the shared default row 0, counters; fixed-size tensors throughout
+    remap.py        ShardIdMaps: a shard's maps applied to a lookup's ids, fresh rows for new ids
+
+Hashed tables never come here: their rows are ``id % rows`` from the featuriser, as always.
+"""
+
+from embedding_server.idmap.dynamic import DynamicIdMap
+from embedding_server.idmap.remap import ShardIdMaps
+
+__all__ = ["DynamicIdMap", "ShardIdMaps"]

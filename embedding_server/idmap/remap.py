@@ -1,0 +1,140 @@
+"""The dynamic tables of one embedding shard: raw ids of a lookup -> rows, before the kernels.
+
+``EmbeddingShard.forward`` hands every lookup here first; each dynamic table's features have
+their raw 64-bit ids replaced by rows, hashed tables' ids pass untouched, and the fused TBE call
+then runs on rows as before. The maps' hash tables and row statistics are views into buffers
+laid side by side, so the ids of every dynamic table are found, and the known ones' rows
+touched, in one probe over the whole batch; only tables with new ids do work of their own
+(admission, eviction).
+A lookup with gradients enabled is a training lookup (admits, evicts); one without (evaluation,
+serving) only reads.
+
+A row given to a new id starts from :func:`init_for_ids`: uniform(+-bound) drawn from a hash of
+(seed, table, id, column), so an id's fresh row is the same on whatever shard or row it lands.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from dlrm_core.batch import SparseFeatures
+from embedding_server.idmap.dynamic import COUNTERS, DynamicIdMap
+from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, probe
+from embedding_server.local_table import LocalTable
+
+RowReset = Callable[[int, torch.Tensor, torch.Tensor], None]
+"""reset(piece, rows [k], fresh weights [k, D]) on the shard's piece ``piece``."""
+
+
+def init_for_ids(ids: torch.Tensor, local: LocalTable, seed: int, init_scale: float | None) -> torch.Tensor:
+    """Fresh weights of the piece's columns for ``ids`` [k] -> float [k, D_piece]."""
+    table, spec = local.table, local.spec
+    bound = init_scale if init_scale else math.sqrt(1.0 / table.rows)
+    cols = torch.arange(local.col_start, local.col_start + spec.dim, dtype=torch.int64)  # [D]
+    key = mix64(ids, salt=(seed * 1_000_003 + local.index) * 1_000_003)  # [k]
+    bits = mix64(key[:, None] + cols[None, :])  # [k, D]
+    unit = _shr(bits, 11).to(torch.float64) / float(1 << 53)  # uniform [0, 1)
+    return ((unit * 2 - 1) * bound).to(torch.float32)
+
+
+class ShardIdMaps:
+    """Id maps of a shard's dynamic table pieces.
+
+    Args:
+        tables: the shard's pieces (only those of dynamic tables get a map; a dynamic table is
+            never split by rows, so a piece holds all the table's rows).
+        feature_map: the piece each feature of a lookup reads.
+        reset: writes fresh weights and optimizer state into rows of a piece.
+        seed, init_scale: as the shard's initialisation.
+    """
+
+    def __init__(self, tables: list[LocalTable], feature_map: list[int], reset: RowReset,
+                 seed: int = 0, init_scale: float | None = None) -> None:
+        self.tables = tables
+        mine = [t for t, local in enumerate(tables) if local.table.dynamic is not None]
+        for t in mine:
+            local = tables[t]
+            if local.row_start != 0 or local.spec.rows != local.table.rows:
+                raise ValueError(f"table {local.table.name}: dynamic ids need whole rows on one shard")
+        rows = [tables[t].spec.rows for t in mine]
+        buckets = [buckets_for(r - 1) for r in rows]
+        # Side-by-side storage: buckets [sum H_t], row statistics [sum R_t], counters [M, 5].
+        self.keys = torch.zeros(sum(buckets), dtype=torch.int64)
+        self.slots = torch.full((sum(buckets),), EMPTY, dtype=torch.int64)
+        self.last = torch.zeros(sum(rows), dtype=torch.int64)
+        self.uses = torch.zeros(sum(rows), dtype=torch.int64)
+        self.counters = torch.zeros(len(mine), len(COUNTERS), dtype=torch.int64)
+        self.bucket_base = torch.tensor([sum(buckets[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
+        self.bucket_mask = torch.tensor([h - 1 for h in buckets], dtype=torch.int64)  # [M]
+        self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
+        self.maps: dict[int, DynamicIdMap] = {}
+        for i, t in enumerate(mine):
+            h0, r0 = int(self.bucket_base[i]), int(self.row_base[i])
+            views = {"keys": self.keys[h0 : h0 + buckets[i]], "slots": self.slots[h0 : h0 + buckets[i]],
+                     "last": self.last[r0 : r0 + rows[i]], "uses": self.uses[r0 : r0 + rows[i]],
+                     "counters": self.counters[i]}
+            self.maps[t] = DynamicIdMap(rows[i], tables[t].table.dynamic, self._resetter(t, reset, seed, init_scale), views)
+        self.map_list = list(self.maps.values())
+        number = {t: i for i, t in enumerate(mine)}
+        self.map_of_feature = torch.tensor([number.get(t, -1) for t in feature_map], dtype=torch.int64)  # [F]
+        self.ttl_maps = [m for m in self.map_list if m.cfg.evict == "ttl"]
+
+    def _resetter(self, t: int, reset: RowReset, seed: int, init_scale: float | None):
+        local = self.tables[t]
+        return lambda rows, ids: reset(t, rows, init_for_ids(ids, local, seed, init_scale))
+
+    def __bool__(self) -> bool:
+        return bool(self.maps)
+
+    def remap(self, sparse: SparseFeatures, train: bool) -> SparseFeatures:
+        """Raw ids of dynamic tables' features -> rows; everything else as it was."""
+        f_count, b = self.map_of_feature.numel(), max(sparse.batch_size, 1)
+        bounds = sparse.offsets[::b][: f_count + 1]  # [F + 1] each feature's span of values
+        map_of_value = torch.repeat_interleave(self.map_of_feature, bounds.diff())  # [N], -1: hashed
+        where = torch.nonzero(map_of_value >= 0).squeeze(1)  # [M_n] the dynamic tables' values
+        ids, k = sparse.values[where], map_of_value[where]
+        pos = probe(self.keys, self.slots, ids, self.bucket_base[k], self.bucket_mask[k])
+        rows = torch.where(pos >= 0, self.slots[pos.clamp(min=0)], torch.full_like(pos, -1))
+        rows = self._train(ids, k, rows) if train else rows.clamp(min=0)
+        values = sparse.values.clone()
+        values[where] = rows
+        return SparseFeatures(values, sparse.offsets, sparse.batch_size)
+
+    def _train(self, ids: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One training step of every map: touch known rows, admit new ids, count, expire."""
+        clock, default = COUNTERS.index("clock"), COUNTERS.index("default_lookups")
+        self.counters[:, clock] += 1
+        known = rows >= 0
+        flat = self.row_base[k[known]] + rows[known]
+        self.last[flat] = self.counters[0, clock]  # every map ticks together
+        self.uses.index_add_(0, flat, torch.ones_like(flat))
+        absent = torch.nonzero(~known).squeeze(1)
+        if absent.numel():
+            k_absent = k[absent]
+            for i in torch.unique(k_absent).tolist():  # only the tables with new ids
+                sel = absent[k_absent == i]
+                rows[sel] = self.map_list[i].admit(ids[sel])
+        self.counters[:, default] += torch.bincount(k[rows == 0], minlength=len(self.map_list))
+        for m in self.ttl_maps:
+            m.end_step()
+        return rows
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per dynamic table: rows_used, admitted, evicted, default_lookups."""
+        return {self.tables[t].table.name: m.stats() for t, m in self.maps.items()}
+
+    def id_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per dynamic table: (admitted ids sorted, their rows)."""
+        return {self.tables[t].table.name: m.items() for t, m in self.maps.items()}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """``<table>.idmap.<name>`` -> tensor (views), for the shard's export_state."""
+        return {f"{self.tables[t].table.name}.idmap.{k}": v for t, m in self.maps.items() for k, v in m.state().items()}
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        for t, m in self.maps.items():
+            prefix = f"{self.tables[t].table.name}.idmap."
+            m.load({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
