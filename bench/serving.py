@@ -32,6 +32,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,6 +79,9 @@ def instances(test_file: Path, n: int, offset: int = 0) -> list[dict]:
 class Server:
     def __init__(self, kind: str, store_url: str, port: int, workers: int, env: dict) -> None:
         self.kind, self.port = kind, port
+        # The server's log goes to a file: a pipe nobody reads fills up with access-log lines
+        # (~650 requests) and then blocks the server's logging call, i.e. the server.
+        self.log = tempfile.NamedTemporaryFile(prefix=f"serving-{kind}-", suffix=".log", delete=False)
         if kind == "naive":
             cmd = [sys.executable, str(HERE / "naive_serve.py"), "--store", store_url, "--port", str(port),
                    "--workers", str(workers)]
@@ -85,7 +89,7 @@ class Server:
             cmd = [*DLRM, "serve", "--store", store_url, "--port", str(port), "--workers", str(workers),
                    "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
@@ -96,12 +100,14 @@ class Server:
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{kind} server exited: {self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"{kind} server exited: {Path(self.log.name).read_text()[-2000:]}")
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"{kind} server not ready in 120 s")
 
     def stop(self) -> None:
+        self.log.close()
+        os.unlink(self.log.name)
         os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=20)
