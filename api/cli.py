@@ -31,6 +31,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", help="served model name (DLRM_MODEL_NAME, default dlrm)")
     p.add_argument("--cache-mb", type=float, help="hot-row cache per worker (DLRM_CACHE_MB, default 256)")
     p.add_argument("--max-instances", type=int, help="largest batch per request (DLRM_MAX_INSTANCES, default 4096)")
+    p.add_argument("--max-ids-per-request", type=int,
+                   help="most categorical ids per request, else 413 (DLRM_MAX_IDS_PER_REQUEST, default 262144)")
+    p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=None,
+                   help="coalesce concurrent requests into one model call (DLRM_BATCHING, default on)")
+    p.add_argument("--batch-max-size", type=int, help="most examples per model call (DLRM_BATCH_MAX_SIZE, default 256)")
+    p.add_argument("--batch-max-delay-us", type=int,
+                   help="longest wait for requests on their way (DLRM_BATCH_MAX_DELAY_US, default 1000)")
     p.add_argument("--api-key-file", type=Path,
                    help="bearer keys, one per line, re-read on change (DLRM_API_KEY_FILE or DLRM_API_KEY)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
@@ -67,6 +74,9 @@ def run_serve(args: argparse.Namespace) -> int:
         "DLRM_STORE": args.store, "DLRM_STORE_PASSWORD_FILE": args.store_password_file,
         "DLRM_MODEL_NAME": args.model_name, "DLRM_CACHE_MB": args.cache_mb,
         "DLRM_MAX_INSTANCES": args.max_instances, "DLRM_API_KEY_FILE": args.api_key_file,
+        "DLRM_MAX_IDS_PER_REQUEST": args.max_ids_per_request,
+        "DLRM_BATCHING": None if args.batching is None else str(args.batching).lower(),
+        "DLRM_BATCH_MAX_SIZE": args.batch_max_size, "DLRM_BATCH_MAX_DELAY_US": args.batch_max_delay_us,
         "DLRM_ACCESS_LOG": None if args.access_log is None else str(args.access_log).lower(),
         "DLRM_LOG_FORMAT": args.log_format,
     }

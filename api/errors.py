@@ -32,6 +32,15 @@ class InputError(ValueError):
         self.message = message
 
 
+class TooLarge(ValueError):
+    """A request over one of the server's size caps (413), naming the cap and its setting."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
 class NotReady(RuntimeError):
     """No model is loaded yet (nothing published, the store unreachable at start, or the served
     version vanished and the current one is loading): 503, retry."""
@@ -100,6 +109,10 @@ def register_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(InputError)
     async def on_input(request: Request, exc: InputError):
         return respond(request, 422, str(exc), exc.field)
+
+    @app.exception_handler(TooLarge)
+    async def on_too_large(request: Request, exc: TooLarge):
+        return respond(request, 413, str(exc), exc.field)
 
     @app.exception_handler(ModelNotFound)
     async def on_not_found(request: Request, exc: ModelNotFound):

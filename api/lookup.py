@@ -41,20 +41,29 @@ def dynamic_rows(model: ServingModel, metrics: ServingMetrics, ids: np.ndarray, 
 
 
 def _table_rows(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int):
-    """Per table: its distinct rows over all its features, and each feature's ids as indices into them."""
-    spec = model.spec
-    per_table: dict[int, list[int]] = {}
-    for f, t in enumerate(spec.feature_tables):
-        per_table.setdefault(t, []).append(f)
-    uniques, inverse = {}, {}
-    for t, feats in per_table.items():
-        parts = [ids[offsets[f * batch] : offsets[(f + 1) * batch]] for f in feats]
-        uniq, inv = np.unique(np.concatenate(parts) if len(parts) > 1 else parts[0], return_inverse=True)
-        uniques[t] = uniq
-        cuts = np.cumsum([len(p) for p in parts])[:-1]
-        for f, part in zip(feats, np.split(inv, cuts), strict=True):
-            inverse[f] = part
-    return uniques, inverse
+    """Per table: its distinct rows over all its features, and each feature's ids as indices into them.
+
+    One ``np.unique`` over every table at once, on keys ``table << 40 | row``: -> (uniques per
+    table, per feature its indices into its table's uniques, the same indices into all tables'
+    uniques concatenated in table order).
+    """
+    tables = model.feature_tables
+    counts = np.diff(offsets[:: batch]) if batch else np.zeros(len(tables), np.int64)  # ids per feature [F]
+    keys = (np.repeat(np.asarray(tables, dtype=np.int64), counts) << ROW_BITS) | ids
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    bounds = np.searchsorted(uniq >> ROW_BITS, np.arange(len(model.spec.tables) + 1))  # table t: bounds[t:t+2]
+    rows = uniq & ROW_MASK
+    uniques = {t: rows[bounds[t] : bounds[t + 1]] for t in set(tables)}
+    local, start = {}, 0
+    for f, (t, n) in enumerate(zip(tables, counts.tolist(), strict=True)):
+        local[f] = inverse[start : start + n] - bounds[t]
+        start += n
+    return uniques, local, inverse
+
+
+ROW_BITS = 40
+"""Rows of a table are below 2^40 (checked when a version loads): the key's low bits."""
+ROW_MASK = (1 << ROW_BITS) - 1
 
 
 def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, uniques: dict[int, np.ndarray]
@@ -103,10 +112,16 @@ def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids
     """Pooled embeddings float [B, sum(D_f)] of a feature-major id batch."""
     spec = model.spec
     ids = dynamic_rows(model, metrics, ids, offsets, batch)
-    uniques, inverse = _table_rows(model, ids, offsets, batch)
+    uniques, inverse, joint = _table_rows(model, ids, offsets, batch)
     rows = _fetch(store, metrics, model, uniques)
+    if not len(spec.categorical):
+        return torch.zeros(batch, 0)
+    if model.uniform_dim and len(ids) == len(spec.categorical) * batch:  # one-hot, one D: one gather
+        table_rows = np.concatenate([rows[t] for t in sorted(rows)])  # [sum U_t, D], table order
+        gathered = table_rows[joint].reshape(len(spec.categorical), batch, -1)  # [F, B, D]
+        return torch.from_numpy(np.ascontiguousarray(gathered.transpose(1, 0, 2)).reshape(batch, -1))
     pooled = []
-    for f, t in enumerate(spec.feature_tables):
+    for f, t in enumerate(model.feature_tables):
         weight = torch.from_numpy(rows[t])  # [U_t, D_t]
         inv = torch.from_numpy(inverse[f])
         lo, hi = offsets[f * batch], offsets[(f + 1) * batch]
@@ -116,6 +131,4 @@ def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids
             bag_offsets = torch.from_numpy(offsets[f * batch : (f + 1) * batch + 1] - lo)
             pooled.append(nnf.embedding_bag(inv, weight, bag_offsets, mode=spec.tables[t].pooling,
                                             include_last_offset=True))
-    if not pooled:
-        return torch.zeros(batch, 0)
     return torch.cat(pooled, dim=1)

@@ -48,6 +48,12 @@ class ServingMetrics:
         self.batch_size = Histogram(
             "dlrm_batch_instances", "Examples per scored request, by input kind (instances, lines, tensors)",
             ["input"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), registry=r)
+        self.model_batch_requests = Histogram(
+            "dlrm_model_batch_requests", "Requests coalesced into one model call (dynamic batching; 1: alone)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.model_batch_examples = Histogram(
+            "dlrm_model_batch_examples", "Examples scored by one model call (all its requests' together)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), registry=r)
         self.store_latency = Histogram(
             "dlrm_store_seconds", "Store round trips by operation (lookup: a request's rows; poll: "
             "current version and live updates; load: a whole version)", ["operation"],

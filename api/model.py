@@ -51,6 +51,12 @@ class ServingModel:
         }
         self.cache_bytes = cache_bytes
         self.cache = self.new_cache() if remote and cache_bytes > 0 else None
+        self.feature_tables = meta.spec.feature_tables
+        """Index of each categorical feature's table (the spec computes it on every call)."""
+        self.uniform_dim = len({t.dim for t in meta.spec.tables}) <= 1
+        """Every table has one D: one-hot requests are pooled with a single gather."""
+        if any(t.rows >= 2**40 for t in meta.spec.tables):
+            raise ValueError("tables of 2^40 rows or more are not served (row keys are 40 bits)")
         self.featurizer = Featurizer(meta.spec, with_label=False)
         self.lines = LineParser(meta.spec) if meta.spec.columns else None
         """Parses lines in the model's input layout (None: the version does not record its columns)."""

@@ -128,6 +128,15 @@ def _v2_schemas(schemas: dict[str, Any], spec: FeatureSpec | None) -> None:
         doc["properties"]["inputs"]["items"] = {"anyOf": [tensor_schema(f) for f in [*spec.dense, *spec.categorical]]}
 
 
+def _v1_schemas(schemas: dict[str, Any]) -> None:
+    """The predict body (the routes read it raw, so FastAPI does not document it by itself)."""
+    from api.schemas import PredictRequest
+
+    doc = PredictRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(doc.pop("$defs", {}))
+    schemas["PredictRequest"] = doc
+
+
 def _secure(doc: dict[str, Any]) -> None:
     from api.auth import OPEN_PATHS
 
@@ -157,6 +166,7 @@ def model_openapi(app: FastAPI, spec: FeatureSpec | None, model_name: str, versi
                 if enums.get(param.get("name")):
                     param["schema"] = {"type": "string", "enum": enums[param["name"]], "title": param["name"].title()}
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    _v1_schemas(schemas)
     _v2_schemas(schemas, spec)
     if secured:
         _secure(doc)

@@ -13,16 +13,23 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.errors import NotReady
-from api.schemas import ErrorBody, ModelInfo, PredictRequest, PredictResponse
+from api.schemas import ErrorBody, ModelInfo, PredictResponse
 from api.service import ModelService, Scored
 
 ERRORS = {
     401: {"model": ErrorBody, "description": "Missing or wrong bearer API key"},
     404: {"model": ErrorBody, "description": "Unknown model name, or a version the store does not hold"},
-    413: {"model": ErrorBody, "description": "Request body or batch too large"},
+    413: {"model": ErrorBody, "description": "Request body, batch or ids over a cap (the error names it)"},
     422: {"model": ErrorBody, "description": "Invalid request: the error names the field"},
     503: {"model": ErrorBody, "description": "No model loaded, or the store is unavailable (see Retry-After)"},
 }
+JSON_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PredictRequest"}}},
+    }
+}
+"""The body is read raw and decoded off the event loop (``api/decode.py``), so it is declared here."""
 TSV_BODY = {
     "requestBody": {
         "required": True,
@@ -55,29 +62,45 @@ def list_models(service: ServiceDep) -> dict:
     return {"models": [service.settings.model_name]}
 
 
-@models.post("/{name}:predict", response_model=PredictResponse, summary="Score instances (the current version)")
-def predict(name: str, body: PredictRequest, service: ServiceDep) -> PredictResponse:
-    return _response(service.predict(name, body.instances))
+def _json(scored: Scored) -> Response:
+    """The answer rendered here, in the request's worker thread (not on the event loop)."""
+    return Response(_response(scored).model_dump_json().encode(), media_type="application/json")
 
 
-@models.post("/{name}/versions/{version}:predict", response_model=PredictResponse,
+def _predict(service: ModelService, name: str, body: bytes, version: str | None) -> Response:
+    return _json(service.predict_json(name, body, version))
+
+
+@models.post("/{name}:predict", response_model=PredictResponse, openapi_extra=JSON_BODY,
+             summary="Score instances (the current version)")
+async def predict(name: str, request: Request, service: ServiceDep) -> Response:
+    body = await request.body()  # decoded, validated and scored off the event loop
+    return await run_in_threadpool(_predict, service, name, body, None)
+
+
+@models.post("/{name}/versions/{version}:predict", response_model=PredictResponse, openapi_extra=JSON_BODY,
              summary="Score instances with a pinned version")
-def predict_version(name: str, version: str, body: PredictRequest, service: ServiceDep) -> PredictResponse:
-    return _response(service.predict(name, body.instances, version))
+async def predict_version(name: str, version: str, request: Request, service: ServiceDep) -> Response:
+    body = await request.body()
+    return await run_in_threadpool(_predict, service, name, body, version)
+
+
+def _predict_tsv(service: ModelService, name: str, text: bytes, version: str | None) -> Response:
+    return _json(service.predict_tsv(name, text, version))
 
 
 @models.post("/{name}:predict_tsv", response_model=PredictResponse, openapi_extra=TSV_BODY,
              summary="Score lines in the model's input format")
-async def predict_tsv(name: str, request: Request, service: ServiceDep) -> PredictResponse:
+async def predict_tsv(name: str, request: Request, service: ServiceDep) -> Response:
     text = await request.body()
-    return _response(await run_in_threadpool(service.predict_tsv, name, text))  # off the event loop
+    return await run_in_threadpool(_predict_tsv, service, name, text, None)  # off the event loop
 
 
 @models.post("/{name}/versions/{version}:predict_tsv", response_model=PredictResponse, openapi_extra=TSV_BODY,
              summary="Score lines with a pinned version")
-async def predict_tsv_version(name: str, version: str, request: Request, service: ServiceDep) -> PredictResponse:
+async def predict_tsv_version(name: str, version: str, request: Request, service: ServiceDep) -> Response:
     text = await request.body()
-    return _response(await run_in_threadpool(service.predict_tsv, name, text, version))
+    return await run_in_threadpool(_predict_tsv, service, name, text, version)
 
 
 def _info(service: ModelService, name: str, version: str | None) -> ModelInfo:
@@ -104,7 +127,7 @@ def version_info(name: str, version: str, service: ServiceDep) -> ModelInfo:
 
 
 @router.get("/healthz", summary="Liveness: the process answers", tags=["health"])
-def healthz() -> dict:
+async def healthz() -> dict:  # on the event loop itself: no thread hop, answers while requests are scored
     return {"status": "ok"}
 
 

@@ -24,6 +24,19 @@ class Settings(BaseSettings):
     """Per-process hot-row cache in front of a remote store, per loaded version (0: no cache)."""
     max_instances: int = Field(default=4096, ge=1)
     """Largest batch one request may carry."""
+    max_ids_per_request: int = Field(default=1 << 18, ge=1)
+    """Largest number of categorical ids one request may carry (every value of every feature,
+    bags counted value by value); more get 413 naming this cap. 4096 one-hot Criteo instances
+    carry 106,496; the cap bounds a request's lookup and pooling work whatever its bags hold."""
+    batching: bool = True
+    """Dynamic batching: concurrent requests of one version are coalesced into one model call
+    (``api/batching.py``). A lone request is scored at once, never delayed."""
+    batch_max_size: int = Field(default=256, ge=1)
+    """Most examples in one coalesced model call; a request with more is scored alone."""
+    batch_max_delay_us: int = Field(default=1000, ge=0)
+    """Longest the batcher waits, once a request is queued, for requests already being decoded
+    (Triton's ``max_queue_delay_microseconds``); it waits only while some are, so at low load no
+    request waits at all."""
     max_body_bytes: int = Field(default=16 << 20, ge=1024)
     """Largest request body; larger bodies get 413."""
     max_pinned_versions: int = Field(default=2, ge=0)

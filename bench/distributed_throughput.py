@@ -110,6 +110,8 @@ def ours_rank(rank: int, servers: int, trainers: int, exchange: str, pipeline: s
         server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp()))
         server.serve()
         dist.gather_object({"rank": rank}, None, dst=0)
+    dist.barrier()
+    cluster.heartbeat.close()  # not inside a store call when the process ends
     dist.destroy_process_group()
 
 

@@ -1,17 +1,22 @@
-"""Serving latency and throughput on loopback, side by side in one run.
+"""Serving cost, capacity and batching on loopback, side by side in one run.
 
-Servers (started one at a time; 1 uvicorn worker for the latency passes, 2 for throughput):
+Servers (started one at a time, 1 uvicorn worker each; the load generator shares the cores):
     file   `dlrm serve --store file://...`   rows memory-mapped (page cache)
     redis  `dlrm serve --store redis://...`  rows fetched with pipelined HMGETs, hot-row cache
     naive  the same app whose service holds every table in memory as nn.EmbeddingBag modules
            (the "load the whole model into the API" baseline)
 
-Load (an asyncio httpx client in this process, bounded in count and time):
-    single  open loop at a fixed rate (default 200 requests/s) of one-instance requests;
-            latency is measured from each request's scheduled send time (no coordinated
-            omission); p50, p99, errors. Run twice on a fresh server over the same distinct
-            requests: "cold" (first sight of every row) then "warm".
-    batch   closed loop, 4 connections, 256-instance requests: instances/s.
+Phases (``--phases``), each server fresh:
+    cpu         server CPU time per single-instance request: sequential requests on one
+                connection, sent once to warm up, then again: the server process's user +
+                system time (/proc/PID/stat, every thread) over the second pass, per request.
+    sweep       capacity: open loop of single-instance requests at rising rates (latency from
+                each scheduled send time: no coordinated omission); the highest rate whose p99
+                is <= --p99-ms (15) and without errors is the server's capacity. A cold pass
+                first (600 rows never seen, at 200/s) is reported apart; the sweep reuses them.
+    concurrent  64 clients in a closed loop of single-instance requests, dynamic batching on
+                (the default) and off (DLRM_BATCHING=false): instances/s and p50/p99.
+    batch       closed loop, 4 connections, 256-instance requests: instances/s.
 
 Model: the default DLRM (dim 16, MLPs 512-256-64 / 512-256) with 26 tables x 100k rows, trained
 one epoch on 200k generated rows. Writes bench/results/serving.{json,md}.
@@ -27,6 +32,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,6 +79,9 @@ def instances(test_file: Path, n: int, offset: int = 0) -> list[dict]:
 class Server:
     def __init__(self, kind: str, store_url: str, port: int, workers: int, env: dict) -> None:
         self.kind, self.port = kind, port
+        # The server's log goes to a file: a pipe nobody reads fills up with access-log lines
+        # (~650 requests) and then blocks the server's logging call, i.e. the server.
+        self.log = tempfile.NamedTemporaryFile(prefix=f"serving-{kind}-", suffix=".log", delete=False)
         if kind == "naive":
             cmd = [sys.executable, str(HERE / "naive_serve.py"), "--store", store_url, "--port", str(port),
                    "--workers", str(workers)]
@@ -80,7 +89,7 @@ class Server:
             cmd = [*DLRM, "serve", "--store", store_url, "--port", str(port), "--workers", str(workers),
                    "--log-level", "warning"]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
@@ -91,12 +100,14 @@ class Server:
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{kind} server exited: {self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"{kind} server exited: {Path(self.log.name).read_text()[-2000:]}")
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"{kind} server not ready in 120 s")
 
     def stop(self) -> None:
+        self.log.close()
+        os.unlink(self.log.name)
         os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=20)
@@ -152,33 +163,143 @@ async def closed_loop(url: str, body: bytes, per_request: int, seconds: float, c
             "p50_ms": 1e3 * statistics.median(lat) if lat else None}
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_request(server: Server, url: str, bodies: list[bytes]) -> dict:
+    """Sequential requests on one connection; the server's CPU time over them, per request."""
+    headers = {"content-type": "application/json"}
+    with httpx.Client(timeout=60) as client:
+        for body in bodies:  # warm: these rows cached, code paths hot
+            client.post(url, content=body, headers=headers)
+        cpu0, t0 = process_cpu_s(server.proc.pid), time.perf_counter()
+        errors = sum(client.post(url, content=body, headers=headers).status_code != 200 for body in bodies)
+        cpu1, t1 = process_cpu_s(server.proc.pid), time.perf_counter()
+    return {"requests": len(bodies), "cpu_ms": 1e3 * (cpu1 - cpu0) / len(bodies),
+            "wall_ms": 1e3 * (t1 - t0) / len(bodies), "errors": errors}
+
+
+def sweep(url: str, bodies: list[bytes], rates: list[float], seconds: float, p99_ms: float) -> dict:
+    """Open loop at each rate (rising) until p99 exceeds ``p99_ms``, over rows the cold pass (at
+    200 requests/s, the first sight of each row) has seen."""
+    pool = bodies[:600]
+    cold = asyncio.run(open_loop(url, pool, 200.0))
+    passes, capacity = [], 0.0
+    for rate in rates:
+        n = int(rate * seconds)
+        chunk = [pool[(k * 7919) % len(pool)] for k in range(n)]  # the same rows, another order
+        result = asyncio.run(open_loop(url, chunk, rate))
+        passes.append(result)
+        if result["p99_ms"] > p99_ms or result["errors"]:
+            break
+        capacity = rate
+    drain(url, bodies[0])
+    return {"cold": cold, "passes": passes, "capacity_rps": capacity}
+
+
+def drain(url: str, body: bytes) -> None:
+    """Wait until the server has worked off what an overloaded pass left queued (requests the
+    client gave up on are still scored): one request answered within 50 ms."""
+    with httpx.Client(timeout=120) as client:
+        for _ in range(100):
+            t0 = time.perf_counter()
+            client.post(url, content=body, headers={"content-type": "application/json"})
+            if time.perf_counter() - t0 < 0.05:
+                return
+
+
+async def concurrent_clients(url: str, bodies: list[bytes], clients: int, seconds: float) -> dict:
+    """``clients`` connections, each sending the next single-instance request when answered."""
+    lat, errors = [], 0
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+        stop = time.perf_counter() + seconds
+
+        async def worker(k: int):
+            nonlocal errors
+            i = k
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                r = await client.post(url, content=bodies[i % len(bodies)], headers={"content-type": "application/json"})
+                lat.append(time.perf_counter() - t0)
+                errors += r.status_code != 200
+                i += clients
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(k) for k in range(clients)))
+        elapsed = time.perf_counter() - t0
+    lat_ms = np.array(lat) * 1e3
+    return {"clients": clients, "instances_per_s": (len(lat) - errors) / elapsed, "requests": len(lat),
+            "errors": errors, "p50_ms": float(np.percentile(lat_ms, 50)), "p99_ms": float(np.percentile(lat_ms, 99))}
+
+
+def batch_sizes(metrics_url: str) -> dict:
+    """Model calls and requests scored so far, from the server's batching histogram."""
+    calls = requests = 0.0
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("dlrm_model_batch_requests_count"):
+            calls = float(line.split()[-1])
+        elif line.startswith("dlrm_model_batch_requests_sum"):
+            requests = float(line.split()[-1])
+    return {"model_calls": calls, "requests": requests, "mean_requests_per_call": requests / calls if calls else None}
+
+
 def run_server(kind, store_url, args, singles, batch_body, env) -> dict:
-    """Single-instance passes on a fresh 1-worker server (tail latency: the load generator shares
-    the 2 cores), then the batched run on a fresh ``--workers`` server (throughput)."""
+    """Every phase of one server kind, each on a fresh 1-worker server (2 for ``batch``)."""
     url = f"http://127.0.0.1:{args.port}/v1/models/dlrm:predict"
-    server = Server(kind, store_url, args.port, 1, env)
-    try:
-        cold = asyncio.run(open_loop(url, singles, args.rate))
-        warm = asyncio.run(open_loop(url, singles, args.rate))
-    finally:
-        server.stop()
-    server = Server(kind, store_url, args.port, args.workers, env)
-    try:
-        asyncio.run(closed_loop(url, batch_body, args.batch, 2.0))  # warm-up of both workers
-        batch = asyncio.run(closed_loop(url, batch_body, args.batch, args.seconds))
-    finally:
-        server.stop()
-    return {"single_cold": cold, "single_warm": warm, "batch": batch}
+    out = {}
+    phases = args.phases.split(",")
+    if {"cpu", "sweep", "concurrent"} & set(phases):
+        server = Server(kind, store_url, args.port, 1, env)
+        try:
+            if "sweep" in phases:
+                out["sweep"] = sweep(url, singles, args.rates, args.sweep_seconds, args.p99_ms)
+            if "cpu" in phases:
+                out["cpu"] = cpu_per_request(server, url, singles[: args.requests])
+            if "concurrent" in phases:
+                out["batching_on"] = asyncio.run(concurrent_clients(url, singles, 64, args.seconds))
+                out["batching_on_batches"] = batch_sizes(f"http://127.0.0.1:{args.port}/metrics")
+        finally:
+            server.stop()
+    if "concurrent" in phases:
+        server = Server(kind, store_url, args.port, 1, {**env, "DLRM_BATCHING": "false"})
+        try:
+            asyncio.run(concurrent_clients(url, singles, 64, 1.0))  # warm-up
+            out["batching_off"] = asyncio.run(concurrent_clients(url, singles, 64, args.seconds))
+        finally:
+            server.stop()
+    if "batch" in phases:
+        server = Server(kind, store_url, args.port, args.workers, env)
+        try:
+            asyncio.run(closed_loop(url, batch_body, args.batch, 2.0))  # warm-up of both workers
+            out["batch"] = asyncio.run(closed_loop(url, batch_body, args.batch, args.seconds))
+        finally:
+            server.stop()
+    return out
 
 
 def median_runs(runs: list[dict]) -> dict:
-    """Per metric, the median over rounds (the machine is shared and noisy)."""
-    out = {}
-    for phase in runs[0]:
-        out[phase] = {k: statistics.median(r[phase][k] for r in runs) if isinstance(runs[0][phase][k], float | int)
-                      else runs[0][phase][k] for k in runs[0][phase]}
-        out[phase]["errors"] = sum(r[phase]["errors"] for r in runs)
-    out["rounds"] = runs
+    """Per server, the medians over rounds of the headline numbers (the machine is shared and
+    noisy); every round is kept under ``rounds``."""
+    def med(get):
+        values = [get(r) for r in runs]
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    out: dict = {"rounds": runs}
+    first = runs[0]
+    if "cpu" in first:
+        out["cpu_ms"] = med(lambda r: r["cpu"]["cpu_ms"])
+    if "sweep" in first:
+        out["capacity_rps"] = med(lambda r: r["sweep"]["capacity_rps"])
+        out["cold_p50_ms"] = med(lambda r: r["sweep"]["cold"]["p50_ms"])
+        out["cold_p99_ms"] = med(lambda r: r["sweep"]["cold"]["p99_ms"])
+    for key in ("batching_on", "batching_off", "batch"):
+        if key in first:
+            out[key] = {k: med(lambda r, key=key, k=k: r[key][k]) for k in first[key] if k in ("instances_per_s", "p50_ms", "p99_ms")}
     return out
 
 
@@ -186,10 +307,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench" / "serving")
     p.add_argument("--out", type=Path, default=HERE / "results")
-    p.add_argument("--rate", type=float, default=200.0)
-    p.add_argument("--requests", type=int, default=2000, help="single-instance requests per pass")
+    p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], default=[100, 200, 300, 400, 600, 800, 1000],
+                   help="request rates of the capacity sweep, rising")
+    p.add_argument("--sweep-seconds", type=float, default=3.0, help="length of each sweep pass")
+    p.add_argument("--p99-ms", type=float, default=15.0, help="a rate is held when p99 is at most this")
+    p.add_argument("--requests", type=int, default=1000, help="sequential requests of the cpu phase (sent twice)")
+    p.add_argument("--phases", default="cpu,sweep,concurrent,batch")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--seconds", type=float, default=10.0, help="duration of the batched run")
+    p.add_argument("--seconds", type=float, default=6.0, help="duration of each closed-loop run")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--port", type=int, default=18765)
     p.add_argument("--servers", default="file,redis,naive")
@@ -202,8 +327,9 @@ def main() -> None:
     from embedding_server.stores import open_store
 
     data, run = prepare(args.work)
-    singles = [json.dumps({"instances": [i]}).encode() for i in instances(data / "test.txt", args.requests)]
-    batch_body = json.dumps({"instances": instances(data / "test.txt", args.batch, offset=args.requests)}).encode()
+    load_before = os.getloadavg()
+    singles = [json.dumps({"instances": [i]}).encode() for i in instances(data / "test.txt", 4000)]
+    batch_body = json.dumps({"instances": instances(data / "test.txt", args.batch, offset=4000)}).encode()
     results = {}
     redis_dir = args.work / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
@@ -224,12 +350,10 @@ def main() -> None:
     finally:
         if redis is not None:
             redis.stop(save=False)
-    if "naive" in results and "redis" in results:
-        results["redis_warm_vs_naive_batch"] = (
-            results["redis"]["batch"]["instances_per_s"] / results["naive"]["batch"]["instances_per_s"]
-        )
-    results["config"] = {"rate": args.rate, "requests": args.requests, "batch": args.batch, "rounds": args.rounds,
+    results["config"] = {"rates": args.rates, "sweep_seconds": args.sweep_seconds, "p99_ms": args.p99_ms,
+                         "requests": args.requests, "batch": args.batch, "rounds": args.rounds, "phases": args.phases,
                          "workers": args.workers, "seconds": args.seconds, "cpus": os.cpu_count(),
+                         "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
                          "date": time.strftime("%Y-%m-%d %H:%M")}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -238,16 +362,22 @@ def main() -> None:
     print(md)
 
 
+def _f(value, fmt: str = ",.0f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
 def render(r: dict) -> str:
     c = r["config"]
     lines = [
         f"Serving on loopback, load generator on the same {c['cpus']} cores ({c['date']}; medians of "
-        f"{c['rounds']} interleaved rounds): {c['requests']} single-instance requests at {c['rate']:.0f}/s per "
-        f"pass on a fresh 1-worker server (cold, then warm), then {c['batch']}-instance requests for "
-        f"{c['seconds']:.0f} s on 4 connections to {c['workers']} workers.",
+        f"{c['rounds']} interleaved rounds; one uvicorn worker). CPU: server CPU time over {c['requests']} "
+        f"sequential single-instance requests. Capacity: highest of {c['rates']} requests/s held with p99 <= "
+        f"{c['p99_ms']:.0f} ms ({c['sweep_seconds']:.0f} s per rate, single-instance requests, open loop). "
+        f"64 clients: closed loop of single-instance requests for {c['seconds']:.0f} s. Machine load "
+        f"(1-minute load average, before / after; other tenants included): {c['loadavg_1min']}.",
         "",
-        "| server | single p50 ms (cold / warm) | single p99 ms (cold / warm) | errors | batched instances/s | batched p50 ms |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| server | CPU ms / request | capacity req/s (p99 <= 15 ms) | cold p50 / p99 ms | 64 clients, batching on: inst/s (p50 / p99 ms) | batching off: inst/s (p50 / p99 ms) | on / off |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     names = {"file": "ours, file store (mmap)", "redis": "ours, Redis store + row cache",
              "naive": "naive: all tables in the API process"}
@@ -255,14 +385,20 @@ def render(r: dict) -> str:
         if kind not in r:
             continue
         x = r[kind]
-        cold, warm, b = x["single_cold"], x["single_warm"], x["batch"]
+        on, off = x.get("batching_on") or {}, x.get("batching_off") or {}
+        gain = on["instances_per_s"] / off["instances_per_s"] if on and off else None
         lines.append(
-            f"| {names[kind]} | {cold['p50_ms']:.1f} / {warm['p50_ms']:.1f} | {cold['p99_ms']:.1f} / {warm['p99_ms']:.1f} | "
-            f"{cold['errors'] + warm['errors'] + b['errors']} | {b['instances_per_s']:,.0f} | {b['p50_ms']:.1f} |"
-        )
-    if "redis_warm_vs_naive_batch" in r:
-        lines += ["", f"Redis (warm cache) vs naive, batched throughput: {r['redis_warm_vs_naive_batch']:.2f}x. "
-                  f"Publishing the model to Redis took {r.get('redis_publish_s', 0):.1f} s."]
+            f"| {names[kind]} | {_f(x.get('cpu_ms'), '.2f')} | {_f(x.get('capacity_rps'))} | "
+            f"{_f(x.get('cold_p50_ms'), '.1f')} / {_f(x.get('cold_p99_ms'), '.1f')} | "
+            f"{_f(on.get('instances_per_s'))} ({_f(on.get('p50_ms'), '.1f')} / {_f(on.get('p99_ms'), '.1f')}) | "
+            f"{_f(off.get('instances_per_s'))} ({_f(off.get('p50_ms'), '.1f')} / {_f(off.get('p99_ms'), '.1f')}) | "
+            f"{_f(gain, '.2f')}x |")
+    if any("batch" in r.get(k, {}) for k in names):
+        lines += ["", f"{c['batch']}-instance requests, 4 connections, {c['workers']} workers: "
+                  + "; ".join(f"{k} {_f(r[k]['batch']['instances_per_s'])} instances/s" for k in names
+                              if "batch" in r.get(k, {}))]
+    if "redis_publish_s" in r:
+        lines += ["", f"Publishing the model to Redis took {r['redis_publish_s']:.1f} s."]
     return "\n".join(lines) + "\n"
 
 

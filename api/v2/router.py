@@ -10,10 +10,9 @@ from importlib import metadata as package_metadata
 
 from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
+from api.decode import infer_request
 from api.errors import InputError, NotReady
 from api.router import ERRORS, ServiceDep
 from api.service import ModelService
@@ -54,7 +53,7 @@ def server_metadata() -> ServerMetadata:
 
 
 @router.get("/health/live", summary="Liveness (no key needed)", tags=["health"])
-def live() -> dict:
+async def live() -> dict:  # on the event loop: answers while requests are scored
     return {"live": True}
 
 
@@ -99,10 +98,7 @@ def version_ready(name: str, version: str, service: ServiceDep) -> dict:
 
 def _parse(body: bytes, header_length: str | None) -> tuple[InferRequest, list[list | None]]:
     head, raw = binary.split(body, header_length) if header_length is not None else (body, b"")
-    try:
-        request = InferRequest.model_validate_json(head)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
+    request = infer_request(head)  # one tensor at a time: never a long hold of the GIL
     for k, out in enumerate(request.outputs or []):
         if out.name != OUTPUT:
             raise InputError(f"outputs.{k}.name", f"unknown output {out.name!r}: the model has one, {OUTPUT!r}")
@@ -112,6 +108,11 @@ def _parse(body: bytes, header_length: str | None) -> tuple[InferRequest, list[l
 def infer_sync(service: ModelService, name: str, version: str | None, body: bytes,
                header_length: str | None) -> Response:
     """One infer request, off the event loop."""
+    with service.batcher.coming():
+        return _infer(service, name, version, body, header_length)
+
+
+def _infer(service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None) -> Response:
     model = service.resolve(name, version)
     request, values = _parse(body, header_length)
     inputs, _ = tensors_to_inputs(model, request.inputs, values, service.settings.max_instances)
