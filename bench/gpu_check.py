@@ -81,6 +81,8 @@ def disaggregated_rank(rank: int, port: int, steps: int, warmup: int, out: str) 
     from embedding_server.dist_client import DistributedEmbeddingClient
     from embedding_server.planner import plan_sharding
     from embedding_server.server import EmbeddingServer
+    from embedding_server.transport import open_transport
+    from embedding_server.wire import ids_dtype
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
     roles = Roles(1, 1)
@@ -89,6 +91,7 @@ def disaggregated_rank(rank: int, port: int, steps: int, warmup: int, out: str) 
     cfg = dt.bench_config(1, 1)
     spec = cfg.feature_spec()
     plan = plan_sharding(spec, 1, "rowwise_adagrad", "auto")
+    cluster.transport = open_transport(cluster, ids_dtype(dt.ROWS))
     if rank == 0:
         client = DistributedEmbeddingClient(cluster, plan, spec)
         trainer = Trainer(cfg, Path(tempfile.mkdtemp()), client=client, cluster=cluster)
@@ -101,6 +104,8 @@ def disaggregated_rank(rank: int, port: int, steps: int, warmup: int, out: str) 
         server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp()))
         server.serve()
         result = None
+    dist.barrier()
+    cluster.heartbeat.close()  # not inside a store call when the process ends
     dist.destroy_process_group()
 
 

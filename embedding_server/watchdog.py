@@ -19,6 +19,7 @@ shows the phase in its status so that the launcher can name it too.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -148,6 +149,7 @@ class Heartbeat:
         self._beat()
         self._io.start()
         self._guard.start()
+        atexit.register(self.close)  # a process that forgets close() still ends outside a store call
         return self
 
     def close(self) -> None:
