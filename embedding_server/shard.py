@@ -196,6 +196,11 @@ class EmbeddingShard(nn.Module):
         """Per dynamic table: rows_used, admitted, evicted, default_lookups (none: hashed)."""
         return self.id_maps.stats()
 
+    def load_id_maps(self, maps: dict[str, torch.Tensor]) -> None:
+        """The id maps of its dynamic tables, ``<table>.idmap.<name>`` -> tensor (others ignored)."""
+        if self.id_maps:
+            self.id_maps.load(maps)
+
     @torch.no_grad()
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a state written by :meth:`export_state` (of either kernel) into this shard."""
@@ -243,6 +248,10 @@ class ShardSet:
 
     def id_stats(self) -> dict[str, dict[str, int]]:
         return {name: s for shard in self.shards for name, s in shard.id_stats().items()}
+
+    def load_id_maps(self, maps: dict[str, torch.Tensor]) -> None:
+        for shard in self.shards:
+            shard.load_id_maps(maps)
 
 
 class _TouchedSet:

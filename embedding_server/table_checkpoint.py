@@ -263,12 +263,8 @@ class CheckpointTables:
                     else:
                         dst[r : r + n] = self.read(name, st, local.row_start + r, n, local.col_start, spec.dim)
             shard.touched.restored(i, saved, self.last_step)
-        for part in getattr(shard, "shards", [shard]):  # dynamic tables: their id maps
-            if part.id_maps:
-                maps = {}
-                for local in part.local_tables:
-                    if local.table.dynamic is not None:
-                        maps.update(self.id_map(local.table.name))
-                part.id_maps.load(maps)
+        dynamic = [local.table.name for local in shard.local_tables if local.table.dynamic is not None]
+        if dynamic:  # their id maps
+            shard.load_id_maps({k: v for name in dynamic for k, v in self.id_map(name).items()})
         for kernel in shard.kernels:
             kernel.step = self.step
