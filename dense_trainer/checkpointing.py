@@ -292,7 +292,9 @@ def save_checkpoint(trainer: Checkpointed, kind: str = "full", wait: bool = True
 def load_checkpoint(trainer: Checkpointed, path: Path) -> TrainState:
     """Restore tables, dense model, optimizer and RNG from ``path``; return the run's state."""
     manifest = read_manifest(path)
-    saved, mine = manifest["meta"], compat_meta(trainer)
+    saved, mine = dict(manifest["meta"]), compat_meta(trainer)
+    if isinstance(saved.get("feature_spec"), dict):  # written before a field existed: its default
+        saved["feature_spec"] = FeatureSpec.model_validate(saved["feature_spec"]).model_dump()
     for key, value in mine.items():
         if saved.get(key) != value:
             raise CheckpointError(

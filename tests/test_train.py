@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from dense_trainer.train import Trainer
+from dlrm_core.errors import CheckpointError
+from embedding_server.checkpoint import latest_checkpoint
 
 from .conftest import tiny_config
 
@@ -74,3 +76,21 @@ def test_lr_baseline_runs(synth_small, tmp_path):
     metrics = trainer.fit([synth_small / "train.txt"], [synth_small / "test.txt"])
     assert metrics["embedding_kernel"] == "torch"  # dim-1 tables: fbgemm needs multiples of 4
     assert metrics["test_auc"] > 0.6
+
+
+def test_checkpoint_written_before_a_spec_field_existed_resumes(synth_small, tmp_path):
+    """A checkpoint whose feature spec predates a field (here a table's ``dynamic``) is read with
+    that field's default, and resumes; a real difference is still refused."""
+    files = ([synth_small / "train.txt"], [synth_small / "test.txt"])
+    cfg = tiny_config(train={"batch_size": 1024, "max_steps": 4})
+    Trainer(cfg, tmp_path / "run").fit(*files)
+    path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    manifest = json.loads((path / "manifest.json").read_text())
+    for table in manifest["meta"]["feature_spec"]["tables"]:
+        table.pop("dynamic", None)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    resumed = Trainer(tiny_config(train={"batch_size": 1024, "max_steps": 6}), tmp_path / "run")
+    assert resumed.fit(*files, resume=True)["steps"] == 6
+    other = Trainer(tiny_config(train={"batch_size": 1024}, embedding={"hash_size": 1234}), tmp_path / "run")
+    with pytest.raises(CheckpointError, match="feature_spec differs"):
+        other.fit(*files, resume=True)
