@@ -110,7 +110,9 @@ class Setting:
         if not (self.ref / "metrics.json").exists():
             shutil.rmtree(self.ref, ignore_errors=True)
             subprocess.run([*DLRM, *self.train_args(self.ref)], cwd=REPO, check=True, capture_output=True)
-        self.ref_auc = json.loads((self.ref / "metrics.json").read_text())["test_auc"]
+        ref = json.loads((self.ref / "metrics.json").read_text())
+        self.ref_auc = ref["test_auc"]
+        self.steps_per_s = ref["train_samples_per_s"] / batch  # what one delta interval (1 s) holds
         fulls = sorted(p for p in (self.ref / "checkpoints").glob("step-*") if read_manifest(p).get("base") is None)
         self.versions = {"v1": fulls[-2], "v2": fulls[-1]}
         lines = (self.data / "test.txt").read_text().splitlines(keepends=True)
@@ -346,6 +348,16 @@ def _try(fn):
         return None
 
 
+def _bounded(fn, timeout_s: float = 3.0):
+    """fn() from a thread of its own, or None after ``timeout_s``: a store client whose host was cut
+    off blocks in TCP retransmission for many minutes, whatever its own timeout says."""
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(_try(fn)), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return box[0] if box else None
+
+
 # -- a host cut off the network --------------------------------------------------------------------
 
 
@@ -374,16 +386,19 @@ def link_run(setting: Setting, rng: random.Random, out: Path) -> dict:
         store = wait_for(lambda: _store(hosts.addrs[0], port), "rank 0's store", every=0.5)
         wait_for(lambda: (read_status(store, 0).get("step") or 0) >= target or procs[0].poll() is not None, "the step")
         link = f"{hosts.bridge}v{victim}"  # the host's cable, on the bridge side
+        reached = (_bounded(lambda: read_status(store, 0)) or {}).get("step", target)  # before the cut
         subprocess.run(["ip", "link", "set", link, "down"], check=True)
         t0 = time.time()
         ended = [None] * 4
-        reached = read_status(store, 0).get("step", target)
+        last_read = 0.0
         while time.time() - t0 < setting.timeout_s + 90 and None in ended:
             for r, p in enumerate(procs):
                 if ended[r] is None and p.poll() is not None:
                     ended[r] = time.time() - t0
-            if victim != 0 and procs[0].poll() is None:  # the master's last step (store on its host)
-                reached = max(reached, _try(lambda: read_status(store, 0).get("step")) or 0)
+            if victim != 0 and procs[0].poll() is None and time.time() - last_read > 0.5:
+                # the master's last step (its store is on its host, which is still connected)
+                reached = max(reached, (_bounded(lambda: read_status(store, 0), 1.0) or {}).get("step") or 0)
+                last_read = time.time()
             time.sleep(0.1)
         for p in procs:
             if p.poll() is None:
@@ -506,7 +521,7 @@ def redis_run(setting: Setting, fault: str, rng: random.Random, work: Path) -> d
             "bounded": failed_publish.returncode != 0 and exit_s <= 15,
             "named": "redis" in message.lower() or "store" in message.lower(), "message": message,
             "resumed": bool(back) and auc is not None, "auc_diff": abs(auc - setting.ref_auc) if auc else None,
-            "version_mixes": load.mixes + regressions, "requests": len(load.answers),
+            "version_mixes": load.mixes, "version_regressions": regressions, "requests": len(load.answers),
             "outage_requests": len(outage), "outage_max_latency_s": round(max((a[3] for a in outage), default=0), 2),
             "outage_503": sum(1 for a in outage if a[1] == 503)}
 
@@ -563,6 +578,7 @@ def summarize(runs: list[dict]) -> dict:
         "max_updates_lost_steps": max(lost, default=None),
         "mean_updates_lost_steps": sum(lost) / len(lost) if lost else None,
         "version_mixes": sum(r.get("version_mixes", 0) for r in done),
+        "version_regressions": sum(r.get("version_regressions", 0) for r in done),
         "checkpoint_problems": sum(1 for r in done if r.get("checkpoint_problem")),
     }
 
@@ -575,13 +591,14 @@ def markdown(runs: list[dict], meta: dict) -> str:
                 if s["max_updates_lost_steps"] is not None else "-")
         return (f"| {name} | {s['runs']} | {s['bounded_exits']}/{s['runs']} | {s['max_exit_s']:.1f} | "
                 f"{s['resumes_completed']}/{s['runs']} | {auc} | {lost} | {s['version_mixes']} | "
-                f"{s['checkpoint_problems']} |")
+                f"{s['version_regressions']} | {s['checkpoint_problems']} |")
 
     lines = [f"# Chaos runs (`bench/chaos.py`, seed {meta['seed']})", "",
              f"{meta['note']}", "",
              "| role | runs | bounded exits naming the role | max time to exit (s) | resumes completed | "
-             "worst AUC difference | updates lost (steps) | version mixes | corrupt or incomplete checkpoints |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+             "worst AUC difference | updates lost (steps) | version mixes | version regressions | "
+             "corrupt or incomplete checkpoints |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
              row("**all**", runs)]
     for role in ROLES:
         rs = [r for r in runs if r["role"] == role]
@@ -626,7 +643,11 @@ def main() -> None:
             "note": (f"E=2, T=2 `dlrm train` on {setting.rows:,} generated rows (tiny config, batch {setting.batch}, "
                      f"{setting.steps} steps), "
                      f"deltas every second, full checkpoints every 100 steps, dist.timeout_s = {args.timeout_s:g}; "
-                     f"uninterrupted test AUC {setting.ref_auc:.4f}. 2 CPU cores shared with other jobs.")}
+                     f"uninterrupted test AUC {setting.ref_auc:.4f}; the uninterrupted run trains "
+                     f"{setting.steps_per_s:.0f} steps/s, so one delta interval holds about that many steps "
+                     f"(updates lost are counted in steps redone on resume). Version regressions: a v2 answer "
+                     f"followed by a v1 answer while the two workers switch (each answer is its own version's). "
+                     f"2 CPU cores shared with other jobs.")}
     args.results.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": meta, "summary": summarize(ordered), "runs": ordered}, indent=1) + "\n")
     (args.results / "chaos.md").write_text(markdown(ordered, meta))
