@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 from contextlib import asynccontextmanager
 
 import torch
@@ -49,6 +50,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         torch.set_num_threads(settings.threads)
+        sys.setswitchinterval(settings.gil_switch_interval_us / 1e6)
         # Everything imported so far (torch, pydantic's schemas, ...) lives as long as the process:
         # out of the collector's sight, a full collection scans only requests' objects (without
         # this, one scan of the ~300k objects holds the GIL for ~100 ms, stalling the event loop).
