@@ -16,7 +16,7 @@ DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
 
 
 def run(*args, **kw):
-    return subprocess.run([*DLRM, *map(str, args)], capture_output=True, text=True, timeout=120, cwd=REPO, **kw)
+    return subprocess.run([*DLRM, *map(str, args)], capture_output=True, text=True, cwd=REPO, **{"timeout": 120, **kw})
 
 
 def assert_one_line_error(proc, *fragments):
@@ -84,7 +84,7 @@ def test_sigterm_checkpoints_and_resume_completes(tmp_path, synth_medium):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "continue with --resume" in err
-    resumed = run(*args, "--resume")
+    resumed = run(*args, "--resume", timeout=300)  # 100k rows; a loaded machine takes minutes
     assert resumed.returncode == 0, resumed.stderr
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["samples_seen"] == 100_000 and metrics["completed"]
