@@ -10,7 +10,11 @@ measures overheads, not scale-out).
     E1,T1 lockstep      1 embedding server + 1 trainer, point to point over loopback (Gloo),
                         --pipeline off: the trainer waits for lookups, the server for gradients
     E1,T1 pipelined     --pipeline exact: the next batch's ids travel and are looked up while the
-                        trainer computes (results identical to lockstep)
+                        trainer computes, before the previous update; the bags that update
+                        changed are looked up again and sent as a correction (results identical
+                        to lockstep)
+    E1,T1 exact uncorr. --pipeline exact without corrections (dist.corrected_lookups = false): the
+                        lookup waits for the previous update
     E1,T1 semi-sync     --pipeline semi-sync: lookups do not wait for the previous update
     E2,T2 ...           2 servers + 2 trainers (DDP between trainers), the same three modes
     E2,T2 bf16          pipelined, pooled embeddings and gradients sent as bf16
@@ -46,14 +50,19 @@ GLOBAL_BATCH = tt.BATCH
 
 
 def bench_config(servers: int, trainers: int, exchange: str = "fp32", pipeline: str = "exact"):
+    """pipeline: off | exact | semi-sync | exact-uncorrected."""
     from dense_trainer.config import load_config
+
+    corrected = pipeline != "exact-uncorrected"
+    pipeline = pipeline.removesuffix("-uncorrected")
 
     return load_config(None, [{
         "embedding": {"dim": tt.DIM, "hash_size": ROWS, "optimizer": {"kind": "rowwise_adagrad", "lr": tt.SPARSE_LR}},
         "model": {"dense_arch_layer_sizes": tt.BOTTOM, "over_arch_layer_sizes": tt.TOP},
         "optim": {"kind": "adam", "lr": tt.DENSE_LR},
         "train": {"batch_size": GLOBAL_BATCH, "progress": False},
-        "dist": {"embedding_servers": servers, "trainers": trainers, "exchange_dtype": exchange, "pipeline": pipeline},
+        "dist": {"embedding_servers": servers, "trainers": trainers, "exchange_dtype": exchange, "pipeline": pipeline,
+                 "corrected_lookups": corrected},
     }])
 
 
@@ -88,7 +97,8 @@ def ours_rank(rank: int, servers: int, trainers: int, exchange: str, pipeline: s
     plan = plan_sharding(spec, servers, "rowwise_adagrad", "auto")
     cluster.transport = open_transport(cluster, ids_dtype(ROWS))
     if cluster.is_trainer:
-        client = DistributedEmbeddingClient(cluster, plan, spec, 1.0 / trainers, exchange)
+        client = DistributedEmbeddingClient(cluster, plan, spec, 1.0 / trainers, exchange,
+                                            corrected=cfg.dist.pipeline == "exact" and cfg.dist.corrected_lookups)
         trainer = Trainer(cfg, Path(tempfile.mkdtemp()), client=client, cluster=cluster)
         data = [b.share(rank, trainers) for b in batches(8)]
         times = []
@@ -127,7 +137,7 @@ def run_ours(servers: int, trainers: int, exchange: str, args, pipeline: str = "
     c = r["client"]
     samples = GLOBAL_BATCH / trainers * (args.steps + args.warmup)  # the master's share, every step
     return {"samples_per_s": GLOBAL_BATCH / step, "median_step_ms": step * 1e3,
-            "bytes_per_sample_out": c["bytes_out"] / samples, "bytes_per_sample_in": c["bytes_in"] / samples,
+            "bytes_per_sample_out": c["bytes_out"] / samples, "bytes_per_sample_in": (c["bytes_in"] + c["correction_bytes"]) / samples,
             "comm_share": c["comm_s"] / sum(r["all_step_s"]), "master_rss_mb": r["rss_mb"]}
 
 
@@ -221,6 +231,8 @@ def main() -> None:
     for e, t in ((1, 1), (2, 2)):
         for label, mode in (("lockstep", "off"), ("pipelined", "exact"), ("semi-sync", "semi-sync")):
             systems[f"E{e},T{t} {label}"] = lambda e=e, t=t, mode=mode: run_ours(e, t, "fp32", args, mode)
+        if e == 1:
+            systems["E1,T1 exact uncorrected"] = lambda: run_ours(1, 1, "fp32", args, "exact-uncorrected")
     systems["E2,T2 pipelined bf16"] = lambda: run_ours(2, 2, "bf16", args, "exact")
     systems["torchrec ws2"] = lambda: run_torchrec(args)
     runs: dict[str, list[dict]] = {k: [] for k in systems}

@@ -170,7 +170,8 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
             stage = TowerClientStage(layout, rank, roles.num_servers) if layout is not None else None
             client = DistributedEmbeddingClient(cluster, plan, spec, grad_scale=1.0 / roles.num_trainers,
                                                 exchange_dtype=cfg.dist.exchange_dtype, stage=stage, chunks=chunks,
-                                                device=device)
+                                                device=device,
+                                                corrected=d.pipeline == "exact" and d.corrected_lookups)
             trainer = Trainer(cfg, out, client=client, cluster=cluster)
             cluster.heartbeat.progress = lambda: trainer.state.step
             metrics = trainer.fit(train, test, resume=resume)

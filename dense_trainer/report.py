@@ -113,16 +113,22 @@ def cluster_metrics(stats: dict, width: int, num_tables: int, state: TrainState)
         "alltoall_bytes_per_sample": {
             "trainers_to_servers": out_bytes / samples,
             "servers_to_trainers": in_bytes / samples,
+            "corrections": sum(r["client"].get("correction_bytes", 0) for r in trainer_stats) / samples,
             "analytical_minimum": minimum,
             "note": "trainers_to_servers counts ids, bag lengths, headers and gradients (training "
                     "and evaluation lookups); the minimum is one int32 id per feature and the "
-                    "fp32 pooled vectors and their gradients",
+                    "fp32 pooled vectors and their gradients; corrections (exact pipelining: "
+                    "bags the previous update changed, looked up again) come on top of "
+                    "servers_to_trainers",
         },
         "server_time_ms_per_step": {
             "lookup": 1e3 * max(r["lookup_s"] for r in servers) / steps if servers else 0.0,
             "update": 1e3 * max(r["update_s"] for r in servers) / steps if servers else 0.0,
             "tower_module": 1e3 * max(r.get("tower_s", 0.0) for r in servers) / steps if servers else 0.0,
+            "correct": 1e3 * max(r.get("correct_s", 0.0) for r in servers) / steps if servers else 0.0,
         },
+        "corrected_bag_share": (sum(r.get("corrected_bags", 0.0) for r in servers)
+                                / max(sum(r.get("bags", 0.0) for r in servers), 1.0)),
         "communication_ms_per_step": comm_ms,
     }
 

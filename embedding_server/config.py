@@ -86,6 +86,9 @@ class DistConfig(Section):
     """exact: the next batch's ids travel, and the servers look it up, while the trainers compute
     the current one (results identical to off); semi-sync: lookups do not wait for the previous
     step's update (one step stale); off: lockstep. The hierarchical route is always lockstep."""
+    corrected_lookups: bool = True
+    """exact: look the next batch up before the previous update and then send only the bags that
+    update changed, looked up again (``correction.py``; false: wait for the update, then look up)."""
     exchange_chunks: int = Field(default=0, ge=0)
     """Pooled-vector and gradient messages per trainer/server pair and step (0: auto, 4 when some
     trainer and server are on different hosts, else 1): a chunk's gradients are applied, and its

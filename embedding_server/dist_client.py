@@ -10,7 +10,9 @@ default).
 **Pipelining**: ``prefetch(sparse)`` sends the ids of a batch (and posts the receive of its
 pooled vectors) ahead of its ``lookup``, from a background thread while the current batch's
 dense forward and backward run; ``lookup`` of that batch then only waits for what is already
-on its way.
+on its way. With ``pipeline = exact`` the servers look a prefetched batch up before the previous
+update and send a correction of the bags that update changed (``correction.py``), which
+``lookup`` applies before the dense forward.
 
 What comes back, and how it becomes the dense network's input, is the client's *stage*: the
 flat one here (per server its pieces' pooled vectors, combined per table); DMT's tower stage
@@ -34,10 +36,11 @@ from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import FeatureSpec
 from embedding_server.client import EmbeddingClient
 from embedding_server.cluster import Cluster
+from embedding_server.correction import message_capacity, patch
 from embedding_server.planner import ShardingPlan, wire_id_bound
 from embedding_server.sharding import SCHEMES
 from embedding_server.table_snapshot import CutRequest
-from embedding_server.transport import GRADS, POOLED, Pending
+from embedding_server.transport import CORRECT, GRADS, POOLED, Pending
 from embedding_server.wire import EXCHANGE_DTYPES, Command, id_message, ids_dtype, pack_ids
 
 Messages = list[tuple[int, int]]
@@ -74,11 +77,12 @@ class FlatStage:
     def __init__(self, plan: ShardingPlan, spec: FeatureSpec, num_servers: int, chunks: int = 1) -> None:
         self.spec = spec
         self.server_slots = [plan.slots_on(s, spec.feature_tables, chunks) for s in range(num_servers)]
-        self.chunk_widths = []
+        self.chunk_dims = []  # per server, per chunk: its slots' dims
         for s, slots in enumerate(self.server_slots):
             sizes = plan.chunks_on(s, spec.feature_tables, chunks) if slots else []
             starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-            self.chunk_widths.append([sum(p.dim for _, p in slots[starts[k] : starts[k + 1]]) for k in range(len(sizes))])
+            self.chunk_dims.append([[p.dim for _, p in slots[starts[k] : starts[k + 1]]] for k in range(len(sizes))])
+        self.chunk_widths = [[sum(d) for d in dims] for dims in self.chunk_dims]
         self.widths = [sum(w) for w in self.chunk_widths]
         self.feature_pieces = [plan.pieces_of(spec.tables[t].name) for t in spec.feature_tables]
         rounds = max((len(w) for w in self.chunk_widths), default=0)
@@ -90,6 +94,16 @@ class FlatStage:
 
     def messages(self, b: int) -> Messages:
         return [(s, b * self.chunk_widths[s][k]) for s, k in self.order]
+
+    def corrections(self, b: int) -> Messages:
+        """The correction messages of an early lookup (``correction.py``): receive capacities."""
+        return [(s, message_capacity(b, self.chunk_dims[s][k])) for s, k in self.order]
+
+    def correct(self, received: list[torch.Tensor], fixes: list[torch.Tensor], b: int) -> int:
+        """Patch the received pooled messages [B * width_k] with their corrections, in place;
+        -> the corrections' elements."""
+        return sum(patch(msg.view(b, self.chunk_widths[s][k]), fix, self.chunk_dims[s][k])
+                   for (s, k), msg, fix in zip(self.order, received, fixes, strict=True))
 
     def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
         blocks: list[list[torch.Tensor]] = [[None] * len(w) for w in self.chunk_widths]
@@ -133,6 +147,7 @@ class _InFlight:
     bag_lengths: list[torch.Tensor]
     sent: Pending
     pooled: Pending
+    corrections: Pending | None = None
 
 
 class _DistributedLookup(torch.autograd.Function):
@@ -158,11 +173,12 @@ class DistributedEmbeddingClient(EmbeddingClient):
         chunks: pooled / gradient messages per server and step (the flat stage's chunks).
         device: where the trainer's dense network runs (CUDA: pooled vectors arrive in pinned
             host memory and are copied without blocking).
+        corrected: training lookups come with corrections (``pipeline = exact``, flat stage).
     """
 
     def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, grad_scale: float = 1.0,
                  exchange_dtype: str = "fp32", stage: ClientStage | None = None, chunks: int = 1,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", corrected: bool = False) -> None:
         self.cluster = cluster
         self.device = torch.device(device)
         self.roles = cluster.roles
@@ -178,8 +194,10 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self.servers = [self.roles.server_rank(s) for s in range(self.roles.num_servers)]
         self.id_dtype = ids_dtype(wire_id_bound(plan, spec))
         self.stage = stage or FlatStage(plan, spec, self.roles.num_servers, chunks)
+        self.corrected = corrected and stage is None and self.transport.pipelined
         self._placeholder = torch.zeros(0, requires_grad=True)
-        self._stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0, "prefetched": 0}
+        self._stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0, "prefetched": 0,
+                       "correction_bytes": 0}
         self._next: Future | None = None  # a prefetched training lookup
         self._sends: list[Pending] = []  # gradient messages still being sent
         self._pool: ThreadPoolExecutor | None = None
@@ -241,14 +259,22 @@ class DistributedEmbeddingClient(EmbeddingClient):
             sent = self.transport.send_ids(messages)
             pooled = self.transport.recv_floats([self.servers[s] for s, _ in layout], [n for _, n in layout],
                                                 self.wire_dtype, POOLED)
+            fixes = None
+            if self.corrected and command == Command.LOOKUP_TRAIN:
+                caps = self.stage.corrections(b)
+                fixes = self.transport.recv_floats([self.servers[s] for s, _ in caps], [n for _, n in caps],
+                                                   self.wire_dtype, CORRECT)
         self._stats["bytes_out"] += sum(m.numel() * m.element_size() for m in messages)
         self._stats["lookups"] += 1
-        return _InFlight(sparse, b, bag_lengths, sent, pooled)
+        return _InFlight(sparse, b, bag_lengths, sent, pooled, fixes)
 
     def _finish(self, inflight: _InFlight) -> torch.Tensor:
         """Wait for the pooled vectors and assemble the dense network's input [B, sum of output dims]."""
         t0 = time.perf_counter()
         parts = inflight.pooled.wait()
+        if inflight.corrections is not None:
+            n = self.stage.correct(parts, inflight.corrections.wait(), inflight.batch)
+            self._stats["correction_bytes"] += n * self.wire_dtype.itemsize
         inflight.sent.wait()
         self._stats["comm_s"] += time.perf_counter() - t0
         self._stats["bytes_in"] += sum(p.numel() * p.element_size() for p in parts)

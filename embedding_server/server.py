@@ -12,9 +12,11 @@ optimizer) and answers the trainers, one id message from every trainer per round
     STOP           report timings and leave
 
 The next round's id messages are received while the current one is worked on. With
-``pipeline = exact`` a lookup waits for the previous step's update, so every lookup sees the
-rows a lockstep run would; with ``semi-sync`` the lookup of step i+1 runs as soon as its ids
-arrive and the update of step i follows it (the rows are one step stale).
+``pipeline = exact`` the lookup of step i+1 runs as soon as its ids arrive, before step i's
+update; once the update is applied, the bags it changed are looked up again and sent as a
+correction (``correction.py``), so every trainer sees the rows a lockstep run would (chunks
+where that does not apply wait for the update, then look up). With ``semi-sync`` the early
+lookup is not corrected (the rows are one step stale).
 
 What happens between the lookup and the trainers is the server's *stage*: here the flat one
 (each trainer gets the pooled vectors of its own examples); DMT's tower stage
@@ -37,6 +39,7 @@ from dlrm_core.schema import FeatureSpec
 from embedding_server.ckpt_writer import CheckpointWriter
 from embedding_server.cluster import Cluster
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
+from embedding_server.correction import Corrector
 from embedding_server.live import LivePusher
 from embedding_server.planner import ShardingPlan, wire_id_bound
 from embedding_server.server_checkpoint import ServerCheckpoints
@@ -162,6 +165,12 @@ class EmbeddingServer:
         # until the next step's ids are in, to interleave it chunk by chunk with their lookup.
         self.eager = dist.pipeline == "off" or not self.transport.pipelined
         self._pending: list[Update | None] = [None] * max(1, len(self.chunks))  # per chunk: the last step's update
+        # exact: early lookups corrected once the update is in (the trainers expect it alike).
+        corrected = (dist.pipeline == "exact" and dist.corrected_lookups and self.stage.deferrable
+                     and self.transport.pipelined and bool(self.shards))
+        self.corrector = Corrector(self.shards, [[p.dim for _, p in self.slots[a:b]] for a, b in self.chunks],
+                                   list(range(self.roles.num_trainers)), self.wire_dtype, self.transport,
+                                   self.timings) if corrected else None
 
     def _chunk_shard(self, a: int, b: int, embedding: EmbeddingConfig, seed: int) -> EmbeddingShard:
         """The shard of slots [a, b): its pieces, each feature slot reading its piece."""
@@ -190,6 +199,8 @@ class EmbeddingServer:
             if command != Command.LOOKUP_TRAIN:
                 self._flush()  # every command but a training lookup sees all updates applied
             if command == Command.STOP:
+                if self.corrector is not None:
+                    self.corrector.close()
                 self.checkpoints.close(self.cluster.slow_timeout_s or 600.0)
                 if self.live is not None:
                     self.live.close()
@@ -209,21 +220,31 @@ class EmbeddingServer:
                 self.lookup(messages, train=command == Command.LOOKUP_TRAIN)
 
     def lookup(self, messages: list, train: bool) -> None:
-        """Ids from every trainer -> per chunk: the previous step's update of the chunk (exact),
-        one fused lookup over every trainer's examples, the stage answers; semi-sync updates after."""
+        """Ids from every trainer -> per chunk: the previous step's update of the chunk (unless
+        the lookup runs early: semi-sync, corrected exact), one fused lookup over every trainer's
+        examples, the stage answers; then the early chunks' updates, and their corrections."""
         batches = [m[2] for m in messages]
         per_trainer = [unpack_ids(m[3], b, len(self.slots)) for m, b in zip(messages, batches, strict=True)]
         if not train:
             self._flush()
-        for k, (a, b) in enumerate(self.chunks or [(0, 0)]):
-            if not self.semi_sync:
-                self._flush(k)  # exact: this chunk's lookup sees the previous step's update
+        chunks = self.chunks or [(0, 0)]
+        updates = []
+        for k, (a, b) in enumerate(chunks):
+            early = self.semi_sync or (train and self.corrector is not None and self.corrector.early[k])
+            if not early:
+                self._flush(k)  # this chunk's lookup sees the previous step's update
             pooled = self._lookup_chunk(k, a, b, per_trainer, batches, train)
             update = self.stage.respond(pooled, batches, train)
             if self.semi_sync:
                 self._flush(k)  # the previous step's update runs after this lookup
-            if train:
-                self._pending[k] = self._after(update, a, b, per_trainer, last=k == len(self.chunks) - 1)
+            updates.append(self._after(update, a, b, per_trainer, last=k == len(chunks) - 1) if train else None)
+        if train and self.corrector is not None:
+            for k, (a, b) in enumerate(chunks):
+                stale = self._pending[k] is not None  # an update the early lookup did not see
+                self._flush(k)
+                self.corrector.send(k, stale, [ids[a:b] for ids in per_trainer], batches)
+        if train:
+            self._pending = updates
         if train and self.eager:
             self._flush()
 

@@ -1,8 +1,10 @@
-"""How messages cross between trainers and embedding servers: three channels per pair.
+"""How messages cross between trainers and embedding servers: four channels per pair.
 
     ids      trainer -> server: the command header folded into the id payload (``wire.py``)
     pooled   server -> trainer: the pooled vectors of the trainer's examples, [B_r, width]
     grads    trainer -> server: their gradients, the same layout
+    correct  server -> trainer: with ``pipeline = exact``, the bags of an early lookup that the
+             previous update changed, looked up again (``correction.py``)
 
 Two routes, one interface (a variant is a module: the client and the server do not know which):
 
@@ -30,8 +32,8 @@ from embedding_server.cluster import Cluster, Roles
 from embedding_server.exchange import Exchange
 from embedding_server.wire import ID_HEADER
 
-IDS, POOLED, GRADS = 1, 2, 3
-"""Channel tags."""
+IDS, POOLED, GRADS, CORRECT = 1, 2, 3, 4
+"""Channel tags (``CORRECT``: server -> trainer, corrections of early lookups, ``correction.py``)."""
 INITIAL_CAPACITY = 4096
 """Elements of an id message's receive buffer before any message grew it."""
 

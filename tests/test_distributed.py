@@ -60,7 +60,12 @@ def test_pipelined_steps_equal_lockstep_bit_for_bit(synth_small, tmp_path):
         runs[name] = launch_local(cfg, *files(synth_small), tmp_path / name, resume=False)
     assert runs["exact"]["step_losses"] == runs["off"]["step_losses"]
     assert runs["exact-3"]["step_losses"] == runs["off"]["step_losses"]  # chunks: the same maths
-    assert runs["exact"]["alltoall_bytes_per_sample"] == runs["off"]["alltoall_bytes_per_sample"]
+    traffic = {name: runs[name]["alltoall_bytes_per_sample"] for name in ("off", "exact")}
+    for direction in ("trainers_to_servers", "servers_to_trainers"):
+        assert traffic["exact"][direction] == traffic["off"][direction]
+    # exact looks the next batch up before the update, then sends the bags it changed again
+    assert traffic["off"]["corrections"] == 0 < traffic["exact"]["corrections"]
+    assert 0 < runs["exact"]["corrected_bag_share"] < 1
     a = CheckpointTables(latest_checkpoint(tmp_path / "off" / "checkpoints"))
     b = CheckpointTables(latest_checkpoint(tmp_path / "exact" / "checkpoints"))
     for name in ["C1", "C3", "C26"]:
