@@ -8,7 +8,8 @@ Keys (``P`` is the prefix, default ``dlrm``):
     P:incomplete                   set of versions being written; P:writing:<v> is the writer's lease
     P:v:<v>:meta                   ModelVersion (JSON)
     P:v:<v>:dense                  dense weights (torch.save bytes, loaded with weights_only)
-    P:v:<v>:t:<table>:<part>       hash: row id (decimal) -> row bytes (fp32/fp16), 1M rows a part
+    P:v:<v>:t:<table>:<part>       hash: row id (decimal) -> row bytes (fp32/fp16, or int8/int4 in
+                                   fbgemm's row-wise layout), 1M rows a part
     P:v:<v>:idmap:<table>          dynamic tables: int64 [2, n] bytes, admitted ids (sorted) over
                                    their rows (read once per loaded version)
     P:v:<v>:gen                    live updates written to the version so far (its generation)
@@ -59,6 +60,8 @@ from embedding_server.wire import (
     encode_ids,
     encode_rows,
     encode_state,
+    row_bytes,
+    row_width,
 )
 
 log = logging.getLogger(__name__)
@@ -108,7 +111,7 @@ class RedisVersionWriter(VersionWriter):
         ids = np.arange(start, start + len(rows), dtype=np.int64)
         for part, mapping in rows_by_part(ids, rows, self.meta.row_dtype).items():
             self._pipe.hset(self.store.rows_key(self.meta.version, table, part), mapping=mapping)
-        self._bytes += rows.shape[0] * rows.shape[1] * NUMPY_DTYPE[self.meta.row_dtype].itemsize
+        self._bytes += rows.shape[0] * row_bytes(rows.shape[1], self.meta.row_dtype)
         if self._bytes >= PIPELINE_BYTES:
             self._flush()
 
@@ -285,13 +288,10 @@ class RedisStore(ServingStore):
         pair = np.frombuffer(raw, dtype="<i8").reshape(2, -1).astype(np.int64)
         return pair[0], pair[1]
 
-    def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.get_rows_many(version, {table: ids})[table]
-
-    def get_rows_many(
+    def get_stored_rows_many(
         self, version: str, requests: dict[str, np.ndarray]
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Rows of several tables in one pipelined round trip.
+        """Rows as stored, of several tables in one pipelined round trip.
 
         Raises:
             VersionNotFound: the version was deleted (checked after the reads, in the same
@@ -299,7 +299,7 @@ class RedisStore(ServingStore):
                 exists are the version's own, and a missing row is never a deleted one).
         """
         meta = self.read_meta(version)
-        dims = {t.name: t.dim for t in meta.spec.tables}
+        widths = {t.name: row_width(t.dim, meta.row_dtype) for t in meta.spec.tables}
         pipe = self.client.pipeline(transaction=False)
         plan = []
         for table, ids in requests.items():
@@ -316,7 +316,7 @@ class RedisStore(ServingStore):
         out = {}
         dtype = NUMPY_DTYPE[meta.row_dtype]
         for table, ids in requests.items():
-            out[table] = (np.zeros((len(ids), dims[table]), np.float32), np.zeros(len(ids), bool))
+            out[table] = (np.zeros((len(ids), widths[table]), dtype), np.zeros(len(ids), bool))
         for (table, sel), reply in zip(plan, replies, strict=True):
             rows, present = out[table]
             hit = [i for i, blob in enumerate(reply) if blob is not None]
