@@ -104,8 +104,8 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
             metrics.unknown_ids.labels(table=name).inc(int(missing.sum()))
             got[missing] = model.stored_defaults[name]
         out[t][~hits[t]] = got
-        if cache is not None and present.any():
-            cache.put(name, need[name][present], got[present], epochs[name])
+        if cache is not None:  # default rows too: a row absent now stays absent until a live
+            cache.put(name, need[name], got, epochs[name])  # update writes it (and invalidates it)
     return out
 
 

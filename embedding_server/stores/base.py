@@ -63,8 +63,10 @@ class VersionWriter(ABC):
     meta: ModelVersion
 
     @abstractmethod
-    def write_rows(self, table: str, start: int, rows: np.ndarray) -> None:
-        """Rows ``[start, start + len(rows))`` of ``table`` (float [n, D])."""
+    def write_rows(self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None) -> None:
+        """Rows ``[start, start + len(rows))`` of ``table`` (float [n, D]). ``keep`` (bool [n]):
+        the rows to store, the others are served the table's default (None: all); a store may
+        keep all of them anyway (the file store's tables are dense arrays)."""
 
     @abstractmethod
     def write_dense(self, state: dict[str, torch.Tensor]) -> None:

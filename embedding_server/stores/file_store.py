@@ -73,7 +73,7 @@ class FileVersionWriter(VersionWriter):
             )
         return self._arrays[table]
 
-    def write_rows(self, table: str, start: int, rows: np.ndarray) -> None:
+    def write_rows(self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None) -> None:
         arr = self._array(table)
         arr[start : start + len(rows)] = encode_rows(rows, self.meta.row_dtype)
 
