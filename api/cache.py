@@ -2,7 +2,8 @@
 
 One CLOCK cache per table (the second-chance approximation of LRU that databases use: a hit
 costs a dict lookup and one bit, no list reshuffling), sized in bytes. Rows are stored in one
-numpy array per table, so a batch of hits is a single gather.
+numpy array per table, so a batch of hits is a single gather, in the store's row dtype (fp16 and
+int8/int4 rows take their stored bytes, not float32's).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import numpy as np
 
 
 class TableCache:
-    def __init__(self, capacity: int, dim: int) -> None:
+    def __init__(self, capacity: int, width: int, dtype: np.dtype | type = np.float32) -> None:
         self.capacity = capacity
         self.slots: dict[int, int] = {}
-        self.rows = np.zeros((capacity, dim), dtype=np.float32)
+        self.rows = np.zeros((capacity, width), dtype=dtype)  # [capacity, row width]
         self.owner = np.full(capacity, -1, dtype=np.int64)  # row id held by each slot
         self.referenced = np.zeros(capacity, dtype=bool)
         self.hand = 0
@@ -70,14 +71,20 @@ class RowCache:
     so small tables end up fully cached.
     """
 
-    def __init__(self, tables: list[tuple[str, int, int]], budget_bytes: float) -> None:
-        total = sum(rows * dim * 4 for _, rows, dim in tables) or 1
+    def __init__(self, tables: list[tuple[str, int, int]], budget_bytes: float,
+                 dtype: np.dtype | type = np.float32) -> None:
+        """Args:
+            tables: (name, rows, row width in elements of ``dtype``) per table.
+            dtype: element type of the stored rows (``wire.NUMPY_DTYPE`` of the version's row dtype).
+        """
+        size = np.dtype(dtype).itemsize
+        total = sum(rows * width * size for _, rows, width in tables) or 1
         self.tables: dict[str, TableCache] = {}
-        for name, rows, dim in tables:
-            share = budget_bytes * (rows * dim * 4) / total
-            capacity = int(min(rows, share // (dim * 4)))
+        for name, rows, width in tables:
+            share = budget_bytes * (rows * width * size) / total
+            capacity = int(min(rows, share // (width * size)))
             if capacity > 0:
-                self.tables[name] = TableCache(capacity, dim)
+                self.tables[name] = TableCache(capacity, width, dtype)
         self.lock = threading.Lock()
         self.epochs: dict[str, int] = {}  # per table: bumped by every invalidation
 
@@ -85,7 +92,7 @@ class RowCache:
         return self.epochs.get(table, 0)
 
     def get(self, table: str, ids: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """Cached rows of ``ids`` (float [n, D], rows of misses undefined) and the hit mask."""
+        """Cached rows of ``ids`` ([n, width] as stored, rows of misses undefined) and the hit mask."""
         cache = self.tables.get(table)
         if cache is None:
             return None, np.zeros(len(ids), dtype=bool)

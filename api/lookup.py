@@ -16,6 +16,7 @@ import torch.nn.functional as nnf
 from api.metrics import ServingMetrics
 from api.model import ServingModel
 from embedding_server.stores import ServingStore
+from embedding_server.wire import NUMPY_DTYPE
 
 
 def dynamic_rows(model: ServingModel, metrics: ServingMetrics, ids: np.ndarray, offsets: np.ndarray,
@@ -68,7 +69,7 @@ ROW_MASK = (1 << ROW_BITS) - 1
 
 def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, uniques: dict[int, np.ndarray]
            ) -> dict[int, np.ndarray]:
-    """Rows float32 [U_t, D_t] of every table's distinct ids: cache, store, defaults."""
+    """Rows as stored [U_t, W_t] of every table's distinct ids: cache, store, defaults."""
     tables = model.spec.tables
     cache = model.cache  # this request's cache, whatever a refresh swaps in meanwhile
     out: dict[int, np.ndarray] = {}
@@ -76,7 +77,8 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
     need: dict[str, np.ndarray] = {}
     for t, uniq in uniques.items():
         rows, hit = cache.get(tables[t].name, uniq) if cache is not None else (None, np.zeros(len(uniq), bool))
-        out[t] = rows.copy() if rows is not None else np.empty((len(uniq), tables[t].dim), np.float32)
+        out[t] = rows.copy() if rows is not None else np.empty(
+            (len(uniq), len(model.stored_defaults[tables[t].name])), NUMPY_DTYPE[model.row_dtype])
         hits[t] = hit
         if not hit.all():
             need[tables[t].name] = uniq[~hit]
@@ -90,7 +92,7 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
     fetched = {}
     if need:
         t0 = time.perf_counter()
-        fetched = store.get_rows_many(model.version, need)  # raises VersionNotFound if it was deleted
+        fetched = store.get_stored_rows_many(model.version, need)  # raises VersionNotFound if it was deleted
         metrics.store_latency.labels(operation="lookup").observe(time.perf_counter() - t0)
     for t in uniques:
         name = tables[t].name
@@ -100,10 +102,10 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
         missing = ~present
         if missing.any():
             metrics.unknown_ids.labels(table=name).inc(int(missing.sum()))
-            got[missing] = model.defaults[name]
+            got[missing] = model.stored_defaults[name]
         out[t][~hits[t]] = got
-        if cache is not None and present.any():
-            cache.put(name, need[name][present], got[present], epochs[name])
+        if cache is not None:  # default rows too: a row absent now stays absent until a live
+            cache.put(name, need[name], got, epochs[name])  # update writes it (and invalidates it)
     return out
 
 
@@ -116,6 +118,10 @@ def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids
     rows = _fetch(store, metrics, model, uniques)
     if not len(spec.categorical):
         return torch.zeros(batch, 0)
+    if model.pooler is not None:  # int8 / int4: fbgemm pools the rows as stored
+        return model.pooler(rows, inverse, offsets, batch)
+    if model.row_dtype != "fp32":
+        rows = {t: r.astype(np.float32) for t, r in rows.items()}
     if model.uniform_dim and len(ids) == len(spec.categorical) * batch:  # one-hot, one D: one gather
         table_rows = np.concatenate([rows[t] for t in sorted(rows)])  # [sum U_t, D], table order
         gathered = table_rows[joint].reshape(len(spec.categorical), batch, -1)  # [F, B, D]

@@ -12,7 +12,7 @@ from dense_trainer.model import build_served_model
 from dlrm_core.featurize import Featurizer
 from dlrm_core.formats import LineParser
 from dlrm_core.schema import FeatureSpec
-from embedding_server.wire import ModelVersion
+from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, ModelVersion, encode_rows, row_width
 
 
 def build_dense(meta: ModelVersion, state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -49,6 +49,15 @@ class ServingModel:
             t.name: np.asarray(meta.default_rows.get(t.name, np.zeros(t.dim)), dtype=np.float32)
             for t in meta.spec.tables
         }
+        self.row_dtype = meta.row_dtype
+        self.stored_defaults = {  # the default rows as the store holds rows [W_t]
+            name: encode_rows(row[None], meta.row_dtype)[0] for name, row in self.defaults.items()}
+        self.pooler = None
+        """int8/int4 versions: pools the rows as stored, with fbgemm (loaded only for them)."""
+        if meta.row_dtype in QUANTIZED_BITS:
+            from api.quantized import QuantizedPooler
+
+            self.pooler = QuantizedPooler(meta.spec, meta.row_dtype)
         self.cache_bytes = cache_bytes
         self.cache = self.new_cache() if remote and cache_bytes > 0 else None
         self.feature_tables = meta.spec.feature_tables
@@ -68,4 +77,5 @@ class ServingModel:
         """Live updates applied so far (the store numbers them per version; 0: none)."""
 
     def new_cache(self) -> RowCache:
-        return RowCache([(t.name, t.rows, t.dim) for t in self.spec.tables], self.cache_bytes)
+        return RowCache([(t.name, t.rows, row_width(t.dim, self.row_dtype)) for t in self.spec.tables],
+                        self.cache_bytes, NUMPY_DTYPE[self.row_dtype])

@@ -34,7 +34,10 @@ def add_publish_parser(sub: argparse._SubParsersAction) -> None:
                    help="a checkpoint, a checkpoints directory, or a `dlrm train --out` directory (latest)")
     _add_store_options(p)
     p.add_argument("--version", help="version name (default: step<N>-<date>-<time>)")
-    p.add_argument("--row-dtype", choices=["fp32", "fp16"], default="fp32", help="storage type of the rows")
+    p.add_argument("--row-dtype", choices=["fp32", "fp16", "int8", "int4"], default="fp32",
+                   help="storage type of the rows (int8/int4: fbgemm row-wise quantized, scale and bias per row)")
+    p.add_argument("--rows", choices=["all", "trained"], default="all",
+                   help="trained: store only rows training moved (Redis; the others are served the table default)")
     p.add_argument("--keep", type=int, default=None, metavar="N", help="versions kept in the store (default 3)")
     p.add_argument("--wait", type=float, default=None, metavar="S",
                    help="wait up to S seconds for the training run to finish (its metrics.json) and the store to answer")
@@ -64,7 +67,7 @@ def run_publish(args: argparse.Namespace) -> int:
 
         wait_until(store_answers, deadline, f"the store {store.url}")
     try:
-        meta = publish_checkpoint(args.checkpoint, store, args.version, args.row_dtype)
+        meta = publish_checkpoint(args.checkpoint, store, args.version, args.row_dtype, rows=args.rows)
     finally:
         store.close()
     print(json.dumps({"version": meta.version, "step": meta.step, "store": redact_url(args.store),

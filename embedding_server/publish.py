@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -63,8 +64,14 @@ def publish_checkpoint(
     version: str | None = None,
     row_dtype: RowDtype = "fp32",
     chunk_rows: int = CHUNK_ROWS,
+    rows: Literal["all", "trained"] = "all",
 ) -> ModelVersion:
-    """Write the checkpoint's tables, dense weights and feature spec as one version; make it current."""
+    """Write the checkpoint's tables, dense weights and feature spec as one version; make it current.
+
+    Args:
+        rows: ``trained``: only rows training moved from their initial values are stored (in
+            stores that can leave rows out: Redis); the others are served the table's default.
+    """
     path = resolve_checkpoint(checkpoint)
     manifest = read_manifest(path)
     meta = manifest["meta"]
@@ -96,14 +103,14 @@ def publish_checkpoint(
             trained = 0
             for start in range(0, table.rows, chunk_rows):
                 stop = min(start + chunk_rows, table.rows)
-                rows = tables.read(table.name, "weight", start, stop - start, 0, table.dim)  # [n, D]
+                weights = tables.read(table.name, "weight", start, stop - start, 0, table.dim)  # [n, D]
                 initial = init_rows(
                     LocalTable(table, index, row_start=start, rows=stop - start), seed, init_scale
                 )
-                moved = (rows != initial).any(dim=1)
+                moved = (weights != initial).any(dim=1)  # [n]
                 trained += int(moved.sum())
-                total += rows[moved].double().sum(dim=0).numpy()
-                writer.write_rows(table.name, start, rows.numpy())
+                total += weights[moved].double().sum(dim=0).numpy()
+                writer.write_rows(table.name, start, weights.numpy(), moved.numpy() if rows == "trained" else None)
             defaults[table.name] = (total / trained if trained else total).astype(np.float32).tolist()
             log.debug("published %s: %d rows (%d trained)", table.name, table.rows, trained)
         for table in spec.tables:

@@ -19,8 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from dlrm_core.errors import CheckpointError
 from dlrm_core.schema import FeatureSpec
 
-RowDtype = Literal["fp32", "fp16"]
-NUMPY_DTYPE = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2")}
+RowDtype = Literal["fp32", "fp16", "int8", "int4"]
+NUMPY_DTYPE = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"), "int8": np.dtype("u1"), "int4": np.dtype("u1")}
+"""Element type of a stored row (quantized rows are bytes)."""
+QUANTIZED_BITS = {"int8": 8, "int4": 4}
+"""Row dtypes stored in fbgemm's row-wise quantized layout, and their bits per value."""
+SCALE_BIAS_BYTES = 4
+"""A quantized row ends with its fp16 scale and fp16 bias (``FloatToFusedNBitRowwiseQuantizedSBHalf``)."""
 
 
 class ModelVersion(BaseModel):
@@ -51,14 +56,49 @@ class ModelVersion(BaseModel):
     then hold the tower modules (``towers.<t>.*``) and the trainers' network (``net.*``)."""
 
 
+def row_width(dim: int, dtype: RowDtype) -> int:
+    """Elements of ``NUMPY_DTYPE[dtype]`` in one stored row of ``dim`` values: D for fp32/fp16;
+    for int8/int4 the bytes ``ceil(D * bits / 8)`` of values, then fp16 scale and bias."""
+    bits = QUANTIZED_BITS.get(dtype)
+    return dim if bits is None else -(-dim * bits // 8) + SCALE_BIAS_BYTES
+
+
+def row_bytes(dim: int, dtype: RowDtype) -> int:
+    """Bytes of one stored row."""
+    return row_width(dim, dtype) * NUMPY_DTYPE[dtype].itemsize
+
+
 def encode_rows(rows: np.ndarray, dtype: RowDtype) -> np.ndarray:
-    """float [n, D] -> contiguous little-endian rows of the storage dtype."""
-    return np.ascontiguousarray(rows, dtype=NUMPY_DTYPE[dtype])
+    """float [n, D] -> contiguous little-endian rows of the storage dtype [n, row_width]; int8 and
+    int4 rows are quantized by fbgemm (``FloatToFusedNBitRowwiseQuantizedSBHalf``: per row,
+    values ``round((x - min) / scale)``, then fp16 scale and fp16 bias = min), which is imported
+    only here, by writers of quantized versions."""
+    bits = QUANTIZED_BITS.get(dtype)
+    if bits is None:
+        return np.ascontiguousarray(rows, dtype=NUMPY_DTYPE[dtype])
+    import fbgemm_gpu  # noqa: F401 (registers torch.ops.fbgemm)
+
+    floats = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+    return torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(floats, bits).numpy()
+
+
+def dequantize_rows(raw: np.ndarray, dim: int, dtype: RowDtype) -> np.ndarray:
+    """Stored rows [n, row_width] -> float32 [n, D] (numpy: readers of single rows need no fbgemm)."""
+    bits = QUANTIZED_BITS.get(dtype)
+    if bits is None:
+        return raw.astype(np.float32)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, row_width(dim, dtype))
+    scale_bias = raw[:, -SCALE_BIAS_BYTES:].copy().view("<f2").astype(np.float32)  # [n, 2]
+    data = raw[:, :-SCALE_BIAS_BYTES]
+    if bits == 4:  # two values a byte, the first in the low nibble
+        data = np.stack([data & 0xF, data >> 4], axis=-1).reshape(len(raw), -1)
+    return data[:, :dim].astype(np.float32) * scale_bias[:, :1] + scale_bias[:, 1:]
 
 
 def decode_rows(blob: bytes | memoryview, dim: int, dtype: RowDtype) -> np.ndarray:
     """Bytes of n stored rows -> float32 [n, D]."""
-    return np.frombuffer(blob, dtype=NUMPY_DTYPE[dtype]).reshape(-1, dim).astype(np.float32)
+    raw = np.frombuffer(blob, dtype=NUMPY_DTYPE[dtype]).reshape(-1, row_width(dim, dtype))
+    return dequantize_rows(raw, dim, dtype)
 
 
 def encode_state(state: dict[str, torch.Tensor]) -> bytes:

@@ -19,9 +19,10 @@ import secrets
 import sys
 from pathlib import Path
 
-READER_COMMANDS = ("get", "zrange", "zscore", "exists", "hmget", "xread", "xrange", "xrevrange",
-                   "multi", "exec", "discard", "ping")
-"""What a serving replica sends (api/, embedding_server/stores/redis_store.py): nothing that writes."""
+READER_COMMANDS = ("get", "zrange", "zscore", "exists", "xread", "xrange", "xrevrange",
+                   "multi", "exec", "discard", "ping", "evalsha_ro", "eval_ro", "getrange")
+"""What a serving replica sends (api/, embedding_server/stores/redis_store.py): nothing that writes
+(``getrange``: what the read-only gather script runs; a script runs as its caller)."""
 
 
 def _secret(path: Path) -> str:

@@ -70,11 +70,11 @@ def test_crash_mid_publish_leaves_previous_version_serving(store, trained_criteo
     publish_checkpoint(trained_criteo, store, version="good")
     calls = []
 
-    def dying_write(self, table, start, rows):
+    def dying_write(self, table, start, rows, keep=None):
         calls.append(table)
         if len(calls) == 3:
             raise RuntimeError("publisher killed")
-        return original(self, table, start, rows)
+        return original(self, table, start, rows, keep)
 
     writer = store.begin(store.read_meta("good").model_copy(update={"version": "bad"}))
     original = type(writer).write_rows

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dlrm_core.errors import ConfigError, DlrmError
-from embedding_server.wire import ModelVersion
+from embedding_server.wire import ModelVersion, dequantize_rows
 
 
 class StoreUnavailable(DlrmError):
@@ -63,8 +63,10 @@ class VersionWriter(ABC):
     meta: ModelVersion
 
     @abstractmethod
-    def write_rows(self, table: str, start: int, rows: np.ndarray) -> None:
-        """Rows ``[start, start + len(rows))`` of ``table`` (float [n, D])."""
+    def write_rows(self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None) -> None:
+        """Rows ``[start, start + len(rows))`` of ``table`` (float [n, D]). ``keep`` (bool [n]):
+        the rows to store, the others are served the table's default (None: all); a store may
+        keep all of them anyway (the file store's tables are dense arrays)."""
 
     @abstractmethod
     def write_dense(self, state: dict[str, torch.Tensor]) -> None:
@@ -134,8 +136,15 @@ class ServingStore(ABC):
     def read_dense(self, version: str) -> dict[str, torch.Tensor]: ...
 
     @abstractmethod
+    def get_stored_rows_many(
+        self, version: str, requests: dict[str, np.ndarray]
+    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Rows as stored, of several tables at once (remote stores: one round trip): table ->
+        ids int64 [n] -> (``NUMPY_DTYPE[row_dtype]`` [n, ``row_width``], bool [n] present)."""
+
     def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``table`` (int64 ids [n]) -> (float32 [n, D], bool [n] present)."""
+        return self.get_rows_many(version, {table: ids})[table]
 
     @abstractmethod
     def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
@@ -144,8 +153,12 @@ class ServingStore(ABC):
     def get_rows_many(
         self, version: str, requests: dict[str, np.ndarray]
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Rows of several tables at once (remote stores do it in one round trip)."""
-        return {table: self.get_rows(version, table, ids) for table, ids in requests.items()}
+        """Rows of several tables at once, as float32 [n, D] (quantized rows dequantized)."""
+        meta = self.read_meta(version)
+        dims = {t.name: t.dim for t in meta.spec.tables}
+        stored = self.get_stored_rows_many(version, requests)
+        return {table: (dequantize_rows(raw, dims[table], meta.row_dtype), present)
+                for table, (raw, present) in stored.items()}
 
     # -- writing ------------------------------------------------------------------------------------
     @abstractmethod

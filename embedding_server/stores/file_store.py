@@ -4,7 +4,8 @@
     DIR/.lock                            flock held while CURRENT moves or a version is deleted
     DIR/versions/<v>/meta.json           ModelVersion
     DIR/versions/<v>/dense.pt            dense weights (loaded with weights_only)
-    DIR/versions/<v>/tables/<name>.npy   rows, float32 or float16 [rows, D], memory-mapped
+    DIR/versions/<v>/tables/<name>.npy   rows, float32 or float16 [rows, D], or int8/int4 bytes in
+                                         fbgemm's row-wise layout [rows, row_width]; memory-mapped
     DIR/versions/<v>/idmaps/<name>.npy   dynamic tables: int64 [2, n], admitted ids (sorted) over
                                          their rows; readers ``searchsorted`` them
     DIR/versions/<v>/GENERATION          live updates written to the version so far
@@ -35,7 +36,14 @@ import torch
 from dlrm_core.errors import ConfigError
 from embedding_server.checkpoint import atomic_write_bytes, fsync_dir
 from embedding_server.stores.base import ServingStore, UpdateBatch, VersionNotFound, VersionWriter
-from embedding_server.wire import NUMPY_DTYPE, ModelVersion, decode_state, encode_rows, encode_state
+from embedding_server.wire import (
+    NUMPY_DTYPE,
+    ModelVersion,
+    decode_state,
+    encode_rows,
+    encode_state,
+    row_width,
+)
 
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -61,11 +69,11 @@ class FileVersionWriter(VersionWriter):
             rows, dim = self._dims[table]
             self._arrays[table] = np.lib.format.open_memmap(
                 self.tmp / "tables" / f"{table}.npy", mode="w+", dtype=NUMPY_DTYPE[self.meta.row_dtype],
-                shape=(rows, dim),
+                shape=(rows, row_width(dim, self.meta.row_dtype)),
             )
         return self._arrays[table]
 
-    def write_rows(self, table: str, start: int, rows: np.ndarray) -> None:
+    def write_rows(self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None) -> None:
         arr = self._array(table)
         arr[start : start + len(rows)] = encode_rows(rows, self.meta.row_dtype)
 
@@ -188,10 +196,12 @@ class FileStore(ServingStore):
             raise VersionNotFound(f"{self.url}: version {version!r} has no id map of table {table}", version) from None
         return pair[0], pair[1]
 
-    def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def get_stored_rows_many(
+        self, version: str, requests: dict[str, np.ndarray]
+    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         # A mapping outlives the deletion of its file: the rows read are the version's own.
-        arr = self._map(version, table)
-        return np.asarray(arr[ids], dtype=np.float32), np.ones(len(ids), dtype=bool)
+        return {table: (self._map(version, table)[ids], np.ones(len(ids), dtype=bool))
+                for table, ids in requests.items()}
 
     def begin(self, meta: ModelVersion) -> VersionWriter:
         check_version_name(meta.version)

@@ -9,6 +9,7 @@ The invariants they keep (``P`` the prefix, ``v`` a version):
 * deletion ``FORGET``s first (registry entry, meta, generation: the version is gone for every
   reader and writer at once), then unlinks the remaining keys; so a reader that finds the meta
   *after* reading rows read real rows, never the hole of a half-deleted version;
+* a row gather (``GATHER``) checks the version exists in the same script that reads its rows;
 * a live update writes only into a complete version and bumps its generation in the same
   script (``UPDATE_ROWS``, ``UPDATE_DENSE``): it can never recreate keys of a deleted version.
 """
@@ -33,9 +34,11 @@ return 1
 """
 
 UPDATE_ROWS = """
--- KEYS: meta, generation, stream, then the row hashes
+-- KEYS: meta, generation, stream, then the row blocks
 -- ARGV: maxlen, n_fields, field/value pairs of the stream entry (n_fields of them),
---       then per row hash: n_pairs, id/row pairs.   -> the new generation, or -1 (no version)
+--       then per block: its length in bytes, n_rows, offset/row pairs.
+-- -> the new generation, or -1 (no version). A block not there yet (no row of it was
+-- published) is created all ABSENT bytes first, so its other rows still read as absent.
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local g = redis.call('INCR', KEYS[2])
 local pos = 2
@@ -47,22 +50,35 @@ for i = 1, n do
 end
 pos = pos + 2 * n + 1
 for k = 4, #KEYS do
-  local pairs_ = tonumber(ARGV[pos])
-  pos = pos + 1
-  local chunk = {}
-  for i = 1, pairs_ do
-    chunk[#chunk + 1] = ARGV[pos]
-    chunk[#chunk + 1] = ARGV[pos + 1]
-    pos = pos + 2
-    if #chunk >= 1000 then
-      redis.call('HSET', KEYS[k], unpack(chunk))
-      chunk = {}
-    end
+  local size = tonumber(ARGV[pos])
+  local rows = tonumber(ARGV[pos + 1])
+  pos = pos + 2
+  if redis.call('EXISTS', KEYS[k]) == 0 then
+    redis.call('SET', KEYS[k], string.rep('\\255', size))
   end
-  if #chunk > 0 then redis.call('HSET', KEYS[k], unpack(chunk)) end
+  for i = 1, rows do
+    redis.call('SETRANGE', KEYS[k], ARGV[pos], ARGV[pos + 1])
+    pos = pos + 2
+  end
 end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[1], '*', unpack(entry))
 return g
+"""
+
+GATHER = """#!lua flags=no-writes
+-- KEYS: meta of v, then one row block per row asked for; ARGV: per block, the row's first
+-- byte and its length.  -> the rows concatenated (ABSENT bytes for a row of a block that does
+-- not exist), or nil when v is gone. Read-only (EVALSHA_RO): replicas and read-only users run it.
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local out = {}
+for i = 2, #KEYS do
+  local first = tonumber(ARGV[2 * i - 3])
+  local width = tonumber(ARGV[2 * i - 2])
+  local row = redis.call('GETRANGE', KEYS[i], first, first + width - 1)
+  if #row ~= width then row = string.rep('\\255', width) end
+  out[i - 1] = row
+end
+return table.concat(out)
 """
 
 UPDATE_DENSE = """

@@ -8,25 +8,29 @@ Keys (``P`` is the prefix, default ``dlrm``):
     P:incomplete                   set of versions being written; P:writing:<v> is the writer's lease
     P:v:<v>:meta                   ModelVersion (JSON)
     P:v:<v>:dense                  dense weights (torch.save bytes, loaded with weights_only)
-    P:v:<v>:t:<table>:<part>       hash: row id (decimal) -> row bytes (fp32/fp16), 1M rows a part
+    P:v:<v>:t:<table>:<block>      string: the rows of one block, as stored (fp32/fp16, or int8/int4
+                                   in fbgemm's row-wise layout), back to back (``redis_blocks.py``);
+                                   blocks without a published row are not there
     P:v:<v>:idmap:<table>          dynamic tables: int64 [2, n] bytes, admitted ids (sorted) over
                                    their rows (read once per loaded version)
     P:v:<v>:gen                    live updates written to the version so far (its generation)
     P:v:<v>:updates                stream of live updates: {g: generation, t:<table>: int64 ids
                                    bytes, ...} or {g, dense: 1}
 
-Lookups of all tables of a request go out as one pipeline of HMGETs (one round trip) that ends
-by checking the version still exists; hiredis parses the replies. Promotion, deletion and live
+Lookups of all tables of a request go out in one round trip: read-only ``GATHER`` scripts
+(``EVALSHA_RO``) that check the version still exists and ``GETRANGE`` just the rows asked for,
+answering with the rows concatenated. Promotion, deletion and live
 updates are server-side scripts (``redis_scripts.py``). Every call has a socket timeout: an
 unreachable Redis raises :class:`StoreUnavailable` quickly instead of hanging a request. Only
 the redacted URL ever appears in a message.
 
-Serving replicas need read commands only (GET, HMGET, EXISTS, ZRANGE, XREAD, XRANGE,
-XREVRANGE, MULTI/EXEC): give them an ACL user without write access (docker/compose.yaml).
+Serving replicas need read commands only (GET, EXISTS, ZRANGE, XREAD, XRANGE, XREVRANGE,
+MULTI/EXEC, EVALSHA_RO / EVAL_RO of the read-only gather script): give them an ACL user without write access (docker/compose.yaml).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -50,7 +54,15 @@ from embedding_server.stores.base import (
     VersionWriter,
 )
 from embedding_server.stores.file_store import check_version_name
-from embedding_server.stores.redis_scripts import FORGET, PROMOTE, UPDATE_DENSE, UPDATE_ROWS
+from embedding_server.stores.redis_blocks import (
+    GATHER_KEYS,
+    BlockBuffer,
+    absent,
+    block_len,
+    block_rows,
+    rows_by_block,
+)
+from embedding_server.stores.redis_scripts import FORGET, GATHER, PROMOTE, UPDATE_DENSE, UPDATE_ROWS
 from embedding_server.wire import (
     NUMPY_DTYPE,
     ModelVersion,
@@ -59,12 +71,11 @@ from embedding_server.wire import (
     encode_ids,
     encode_rows,
     encode_state,
+    row_bytes,
 )
 
 log = logging.getLogger(__name__)
 
-PART_BITS = 20
-"""Rows per hash key: 2^20 (bounds the size of any one key)."""
 PIPELINE_BYTES = 4 << 20
 """Flush a write pipeline after this many bytes of rows (bounds publisher memory)."""
 LEASE_S = 600
@@ -76,23 +87,16 @@ UPDATES_MAXLEN = 20_000
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
-def rows_by_part(ids: np.ndarray, rows: np.ndarray, dtype) -> dict[int, dict[bytes, bytes]]:
-    """Hash part -> {row id (decimal) -> encoded row}: the HSET mappings for some rows."""
-    enc = encode_rows(rows, dtype)
-    stride = enc.shape[1] * enc.itemsize
-    raw = enc.tobytes()
-    by_part: dict[int, dict[bytes, bytes]] = defaultdict(dict)
-    for i, row in enumerate(ids.tolist()):
-        by_part[row >> PART_BITS][b"%d" % row] = raw[i * stride : (i + 1) * stride]
-    return by_part
-
-
 class RedisVersionWriter(VersionWriter):
     def __init__(self, store: RedisStore, meta: ModelVersion) -> None:
         self.store = store
         self.meta = meta
         self._pipe = store.bulk.pipeline(transaction=False)
         self._bytes = 0
+        self._blocks: dict[str, BlockBuffer] = {}
+        self.rows_stored = 0
+        """Rows written into blocks so far (a block with one kept row is written whole)."""
+        store.make_room(sum(t.rows * row_bytes(t.dim, meta.row_dtype) for t in meta.spec.tables))
         v = meta.version
         with store.errors():  # the lease first: a concurrent collector must not take it for dead
             store.client.set(store.key("writing", v), "1", ex=LEASE_S)
@@ -101,16 +105,33 @@ class RedisVersionWriter(VersionWriter):
     def _flush(self) -> None:
         with self.store.errors():
             self._pipe.set(self.store.key("writing", self.meta.version), "1", ex=LEASE_S)
-            self._pipe.execute()
+            try:
+                self._pipe.execute()
+            except redis.exceptions.OutOfMemoryError:
+                # maxmemory reached (noeviction refuses writes): collect the versions that may
+                # go (all but the current one), then write again, once
+                if not self.store.collect_garbage(keep=0):
+                    raise
+                log.warning("redis store %s: out of memory, collected old versions to write %s",
+                            self.store.url, self.meta.version)
+                self._pipe.execute()
         self._bytes = 0
 
-    def write_rows(self, table: str, start: int, rows: np.ndarray) -> None:
-        ids = np.arange(start, start + len(rows), dtype=np.int64)
-        for part, mapping in rows_by_part(ids, rows, self.meta.row_dtype).items():
-            self._pipe.hset(self.store.rows_key(self.meta.version, table, part), mapping=mapping)
-        self._bytes += rows.shape[0] * rows.shape[1] * NUMPY_DTYPE[self.meta.row_dtype].itemsize
-        if self._bytes >= PIPELINE_BYTES:
-            self._flush()
+    def write_rows(self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None) -> None:
+        buffer = self._blocks.get(table)
+        if buffer is None:
+            spec = next(t for t in self.meta.spec.tables if t.name == table)
+            buffer = self._blocks[table] = BlockBuffer(spec.rows, row_bytes(spec.dim, self.meta.row_dtype))
+        enc = encode_rows(rows, self.meta.row_dtype).view(np.uint8).reshape(len(rows), -1)  # [n, W bytes]
+        self._set_blocks(table, buffer.add(start, enc, keep))
+
+    def _set_blocks(self, table: str, blocks: list[tuple[int, bytes]]) -> None:
+        for block, blob in blocks:  # one SET of ~16 KB per block: no command holds Redis long
+            self._pipe.set(self.store.rows_key(self.meta.version, table, block), blob)
+            self._bytes += len(blob)
+            self.rows_stored += len(blob) // self._blocks[table].row_bytes
+            if self._bytes >= PIPELINE_BYTES:
+                self._flush()
 
     def write_dense(self, state: dict[str, torch.Tensor]) -> None:
         self._pipe.set(self.store.key("v", self.meta.version, "dense"), encode_state(state))
@@ -121,6 +142,8 @@ class RedisVersionWriter(VersionWriter):
 
     def commit(self) -> None:
         s, v = self.store, self.meta.version
+        for table, buffer in self._blocks.items():
+            self._set_blocks(table, buffer.drain())
         self._pipe.set(s.key("v", v, "meta"), self.meta.model_dump_json())
         self._flush()
         with s.errors():
@@ -171,6 +194,7 @@ class RedisStore(ServingStore):
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"store URL {self.url}: {scrub(str(exc), self._secrets)}") from None
         self._meta_cache: dict[str, ModelVersion] = {}
+        self._gather_sha = hashlib.sha1(GATHER.encode()).hexdigest()
         self._scripts = {name: client.register_script(src) for name, src, client in (
             ("PROMOTE", PROMOTE, self.client), ("FORGET", FORGET, self.client),
             ("UPDATE_ROWS", UPDATE_ROWS, self.bulk), ("UPDATE_DENSE", UPDATE_DENSE, self.bulk))}
@@ -179,8 +203,8 @@ class RedisStore(ServingStore):
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
 
-    def rows_key(self, version: str, table: str, part: int) -> str:
-        return self.key("v", version, "t", table, str(part))
+    def rows_key(self, version: str, table: str, block: int | str) -> str:
+        return self.key("v", version, "t", table, str(block))
 
     @contextmanager
     def errors(self) -> Iterator[None]:
@@ -260,6 +284,23 @@ class RedisStore(ServingStore):
             if batch:
                 self.bulk.unlink(*batch)
 
+    def make_room(self, needed: int) -> list[str]:
+        """Before a version of up to ``needed`` bytes of rows is written: when Redis has a
+        ``maxmemory`` they would pass, collect every version but the current one first (under
+        noeviction Redis would refuse the writes). -> the versions collected. Nothing is done
+        without a maxmemory or without permission to read INFO; a write refused for memory
+        still collects them (``RedisVersionWriter._flush``)."""
+        try:
+            info = self.bulk.info("memory")
+        except (redis.exceptions.ResponseError, *REDIS_ERRORS):
+            return []
+        limit = int(info.get("maxmemory", 0))
+        if not limit or int(info["used_memory"]) + needed * 1.05 <= limit:
+            return []
+        collected = self.collect_garbage(keep=0)
+        log.info("redis store %s: collected %s to make room for %d MB of rows", self.url, collected, needed >> 20)
+        return collected
+
     def collect_garbage(self, current: str | None = None, keep: int | None = None) -> list[str]:
         removed = super().collect_garbage(current, keep)
         with self.errors():
@@ -285,46 +326,56 @@ class RedisStore(ServingStore):
         pair = np.frombuffer(raw, dtype="<i8").reshape(2, -1).astype(np.int64)
         return pair[0], pair[1]
 
-    def get_rows(self, version: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return self.get_rows_many(version, {table: ids})[table]
-
-    def get_rows_many(
+    def get_stored_rows_many(
         self, version: str, requests: dict[str, np.ndarray]
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Rows of several tables in one pipelined round trip.
+        """Rows as stored, of several tables in one round trip: ``GATHER`` calls (GETRANGE of
+        just those rows, ``redis_blocks.GATHER_KEYS`` rows a call) in one pipeline.
 
         Raises:
-            VersionNotFound: the version was deleted (checked after the reads, in the same
-                round trip: deletion removes the meta first, so rows read while it still
-                exists are the version's own, and a missing row is never a deleted one).
+            VersionNotFound: the version was deleted (each call checks the meta in the script
+                that reads the rows: deletion removes the meta first, so rows read while it
+                still exists are the version's own, and a missing row is never a deleted one).
         """
         meta = self.read_meta(version)
-        dims = {t.name: t.dim for t in meta.spec.tables}
-        pipe = self.client.pipeline(transaction=False)
-        plan = []
+        specs = {t.name: t for t in meta.spec.tables}
+        keys, args, shapes = [], [], []
         for table, ids in requests.items():
-            parts = ids >> PART_BITS
-            for part in np.unique(parts):
-                sel = np.flatnonzero(parts == part)
-                pipe.hmget(self.rows_key(version, table, int(part)), [b"%d" % i for i in ids[sel]])
-                plan.append((table, sel))
-        pipe.exists(self.key("v", version, "meta"))
-        with self.errors():
-            *replies, alive = pipe.execute()
-        if not alive:
+            width = row_bytes(specs[table].dim, meta.row_dtype)
+            per_block = block_rows(width)
+            blocks = (ids // per_block).tolist()
+            first = ((ids % per_block) * width).tolist()
+            base = self.rows_key(version, table, "").encode()
+            keys += [b"%s%d" % (base, b) for b in blocks]
+            args += [a for f in first for a in (f, width)]
+            shapes.append((table, len(ids), width))
+        meta_key = self.key("v", version, "meta")
+        calls = [(1 + len(keys[at : at + GATHER_KEYS]), meta_key, *keys[at : at + GATHER_KEYS],
+                  *args[2 * at : 2 * (at + GATHER_KEYS)]) for at in range(0, len(keys), GATHER_KEYS)]
+        replies = self._gather(calls)
+        if any(r is None for r in replies):
             raise self._gone(version)
-        out = {}
+        blob = np.frombuffer(b"".join(replies), dtype=np.uint8)
+        out, at = {}, 0
         dtype = NUMPY_DTYPE[meta.row_dtype]
-        for table, ids in requests.items():
-            out[table] = (np.zeros((len(ids), dims[table]), np.float32), np.zeros(len(ids), bool))
-        for (table, sel), reply in zip(plan, replies, strict=True):
-            rows, present = out[table]
-            hit = [i for i, blob in enumerate(reply) if blob is not None]
-            if hit:
-                blob = b"".join(reply[i] for i in hit)
-                rows[sel[hit]] = np.frombuffer(blob, dtype=dtype).reshape(len(hit), -1)
-                present[sel[hit]] = True
+        for table, n, width in shapes:
+            raw = blob[at : at + n * width].reshape(n, width)
+            at += n * width
+            out[table] = (raw.view(dtype).reshape(n, -1), ~absent(raw))
         return out
+
+    def _gather(self, calls: list[tuple]) -> list:
+        """Run ``GATHER`` calls (numkeys, keys..., args...) in one pipeline (``EVALSHA_RO``);
+        a Redis that lacks the script (restarted, flushed) gets its source once (``EVAL_RO``)."""
+        with self.errors():
+            pipe = self.client.pipeline(transaction=False)
+            for call in calls:
+                pipe.execute_command("EVALSHA_RO", self._gather_sha, *call)
+            try:
+                return pipe.execute()
+            except redis.exceptions.NoScriptError:
+                first = self.client.execute_command("EVAL_RO", GATHER, *calls[0])  # loads it too
+                return [first, *self._gather(calls[1:])] if len(calls) > 1 else [first]
 
     # -- writing -------------------------------------------------------------------------------------
     def begin(self, meta: ModelVersion) -> VersionWriter:
@@ -345,11 +396,15 @@ class RedisStore(ServingStore):
         meta = self.read_meta(version)
         entry = [item for table, (ids, _) in updates.items() for item in (f"t:{table}".encode(), encode_ids(ids))]
         keys, args = self._live_keys(version), [UPDATES_MAXLEN, len(entry) // 2, *entry]
+        specs = {t.name: t for t in meta.spec.tables}
         for table, (ids, rows) in updates.items():
-            for part, mapping in rows_by_part(ids, rows, meta.row_dtype).items():
-                keys.append(self.rows_key(version, table, part))
-                args.append(len(mapping))
-                args.extend(item for pair in mapping.items() for item in pair)
+            width = row_bytes(specs[table].dim, meta.row_dtype)
+            per_block = block_rows(width)
+            enc = encode_rows(rows, meta.row_dtype).view(np.uint8).reshape(len(rows), -1)  # [n, W bytes]
+            for block, pieces in rows_by_block(np.asarray(ids, np.int64), enc, per_block).items():
+                keys.append(self.rows_key(version, table, block))
+                args += [block_len(block, per_block, specs[table].rows) * width, len(pieces)]
+                args.extend(item for piece in pieces for item in piece)
         with self.errors():
             generation = self._scripts["UPDATE_ROWS"](keys=keys, args=args)
         if generation < 0:
