@@ -3,7 +3,8 @@ row cache, the misses of every table to the store in one round trip, the table's
 where the store lacks one (a row missing from a version the store still holds: a deleted version
 raises instead); then each feature's bags are pooled as in training. A dynamic table's raw ids
 first become rows through the version's id map (sorted ids, ``searchsorted``): an id it does not
-hold reads row 0, the table's default row, as in training's evaluation, and is counted."""
+hold reads its shared row, hash(id) % S (S from the version's spec), as in training's
+evaluation, and is counted."""
 
 from __future__ import annotations
 
@@ -15,19 +16,22 @@ import torch.nn.functional as nnf
 
 from api.metrics import ServingMetrics
 from api.model import ServingModel
+from embedding_server.idmap.dynamic import shared_rows_of
 from embedding_server.stores import ServingStore
 from embedding_server.wire import NUMPY_DTYPE
 
 
 def dynamic_rows(model: ServingModel, metrics: ServingMetrics, ids: np.ndarray, offsets: np.ndarray,
                  batch: int) -> np.ndarray:
-    """ids int64 [N] with each dynamic table's raw ids replaced by their rows (0: not admitted)."""
+    """ids int64 [N] with each dynamic table's raw ids replaced by their rows (not admitted: the
+    id's shared row)."""
     if not model.id_maps:
         return ids
     out = ids.copy()
     spec = model.spec
     for f, t in enumerate(spec.feature_tables):
-        name = spec.tables[t].name
+        table = spec.tables[t]
+        name = table.name
         if name not in model.id_maps:
             continue
         keys, rows = model.id_maps[name]
@@ -35,7 +39,8 @@ def dynamic_rows(model: ServingModel, metrics: ServingMetrics, ids: np.ndarray, 
         raw = ids[lo:hi]
         at = np.minimum(np.searchsorted(keys, raw), max(len(keys) - 1, 0))
         known = (keys[at] == raw) if len(keys) else np.zeros(len(raw), bool)
-        out[lo:hi] = np.where(known, rows[at] if len(keys) else 0, 0)
+        shared = shared_rows_of(torch.from_numpy(np.ascontiguousarray(raw)), table.shared_row_count).numpy()
+        out[lo:hi] = np.where(known, rows[at] if len(keys) else 0, shared)
         if not known.all():
             metrics.unknown_ids.labels(table=name).inc(int((~known).sum()))
     return out

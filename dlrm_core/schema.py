@@ -93,6 +93,17 @@ class DynamicIds(BaseModel):
     (ties: least recent), ttl only rows unused for ttl_steps (none left: new ids wait)."""
     ttl_steps: int = Field(default=10_000, ge=1)
     """ttl: training lookups after which an unused id loses its row."""
+    shared_rows: float = Field(default=0.25, ge=0, lt=1)
+    """Fraction of the table's rows kept as hashed shared rows: an id without a row of its own
+    (not admitted yet, evicted, or unseen at evaluation and serving) reads and trains shared row
+    hash(id) % S, S = max(1, int(shared_rows * rows)); 0: one shared row (row 0). The rest are
+    the capacity for admitted ids."""
+
+
+def shared_row_count(rows: int, cfg: DynamicIds) -> int:
+    """S, the shared rows of a dynamic table of ``rows`` rows: max(1, int(shared_rows * rows)),
+    leaving at least one row for admitted ids."""
+    return max(1, min(int(cfg.shared_rows * rows), rows - 1))
 
 
 class TableSpec(BaseModel):
@@ -110,7 +121,12 @@ class TableSpec(BaseModel):
     """How the rows of a multi-hot bag are pooled into one vector."""
     dynamic: DynamicIds | None = None
     """None: hashed ids (row = id % rows); else raw 64-bit ids, each admitted id its own row
-    (rows are the capacity), the rest sharing row 0."""
+    (rows are the capacity), the rest sharing the first :attr:`shared_row_count` rows."""
+
+    @property
+    def shared_row_count(self) -> int:
+        """S of a dynamic table: rows 0..S-1 are shared by ids without a row of their own (0: hashed)."""
+        return 0 if self.dynamic is None else shared_row_count(self.rows, self.dynamic)
 
     @property
     def ids(self) -> IdMode:
@@ -222,7 +238,7 @@ def criteo_spec(rows: list[int], dims: list[int], pooling: str = "sum", separato
 
 # -- resolving a declared schema -------------------------------------------------------------------------
 
-_ID_SETTINGS = ("admit_after", "evict", "ttl_steps")
+_ID_SETTINGS = ("admit_after", "evict", "ttl_steps", "shared_rows")
 
 
 def _dynamic_ids(defaults: dict, override: dict) -> DynamicIds | None:
@@ -255,7 +271,7 @@ def build_spec(
     Args:
         features: the ``[[features]]`` list.
         table_defaults: ``dim``, ``hash_size``, ``pooling``, ``ids``, ``admit_after``, ``evict``,
-            ``ttl_steps`` for tables that do not say.
+            ``ttl_steps``, ``shared_rows`` for tables that do not say.
         table_overrides: per table name, ``rows`` / ``dim`` / ``pooling`` / the id settings
             (``[[embedding.tables]]``).
         force_dim: every table's dim (1 for the logistic-regression baseline).

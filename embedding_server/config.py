@@ -31,6 +31,8 @@ class TableOverride(Section):
     """Dynamic ids: this table's eviction policy (see [embedding] evict)."""
     ttl_steps: int | None = Field(default=None, ge=1)
     """Dynamic ids: this table's expiry (see [embedding] ttl_steps)."""
+    shared_rows: float | None = Field(default=None, ge=0, lt=1)
+    """Dynamic ids: this table's fraction of hashed shared rows (see [embedding] shared_rows)."""
 
 
 class EmbeddingConfig(Section):
@@ -45,7 +47,7 @@ class EmbeddingConfig(Section):
     ids: IdMode = "hashed"
     """hashed: row = id % rows (ids collide once the vocabulary outgrows the table); dynamic:
     raw 64-bit ids, each admitted id a row of its own while it holds one, the table's rows its
-    capacity (row 0 shared by ids not admitted), ``embedding_server/idmap/``. Per table:
+    capacity (its first rows, ``shared_rows``, shared by hash by ids not admitted), ``embedding_server/idmap/``. Per table:
     ``[[embedding.tables]] ids``."""
     admit_after: int = Field(default=1, ge=1)
     """Dynamic ids: occurrences (training lookups, count-min sketch) before an id gets its own
@@ -55,6 +57,11 @@ class EmbeddingConfig(Section):
     used), ttl (only rows unused for ttl_steps; none: new ids share row 0 meanwhile)."""
     ttl_steps: int = Field(default=10_000, ge=1)
     """Dynamic ids, evict = ttl: training steps after which an unused id loses its row."""
+    shared_rows: float = Field(default=0.25, ge=0, lt=1)
+    """Dynamic ids: fraction of each dynamic table's rows kept as hashed shared rows; an id
+    without a row of its own (not admitted, evicted, unseen) uses shared row hash(id) % S at
+    training and serving alike, so the tail scatters instead of piling on one row; 0: one
+    shared row (row 0)."""
     tables: list[TableOverride] = []
     """Per-table overrides, e.g. ``{name = "C3", rows = 10000000, dim = 32}``."""
     init_scale: float = Field(default=0.05, ge=0)

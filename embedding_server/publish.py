@@ -2,7 +2,7 @@
 
 Tables are streamed in chunks of rows from the memory-mapped checkpoint, so memory stays bounded
 whatever their size. A dynamic table also carries its id map (admitted ids, sorted, and their
-rows), which serving searches to find an id's row (row 0, its default, for any other id). While streaming, each table's *default embedding* (what serving returns for
+rows), which serving searches to find an id's row (its shared row, hash(id) % S, for any other id). While streaming, each table's *default embedding* (what serving returns for
 a row missing from the store) is computed as the mean of its trained rows: rows whose weights
 differ from their (re-generated, seeded) initial values.
 """

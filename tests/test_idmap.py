@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlrm_core.schema import DynamicIds
-from embedding_server.idmap.dynamic import DynamicIdMap
+from embedding_server.idmap.dynamic import DynamicIdMap, shared_rows_of
 from embedding_server.idmap.hash_table import IdHashTable, mix64
 from embedding_server.idmap.sketch import CountMinSketch
 
@@ -80,14 +80,14 @@ def batches(seed: int, steps: int, batch: int, vocab: int) -> list[torch.Tensor]
 
 class TestDynamicIdMap:
     def test_admission_after_threshold(self):
-        m = DynamicIdMap(10, DynamicIds(admit_after=3))
+        m = DynamicIdMap(10, DynamicIds(admit_after=3, shared_rows=0))
         assert m.lookup(torch.tensor([5, 5]), train=True).tolist() == [0, 0]  # seen twice
         assert m.lookup(torch.tensor([5, 6]), train=True).tolist() == [1, 0]  # third time: admitted
         assert m.lookup(torch.tensor([5, 6, 7]), train=False).tolist() == [1, 0, 0]  # evaluation reads
         assert m.stats() == {"rows_used": 2, "admitted": 1, "evicted": 0, "default_lookups": 3}
 
     def test_lru_frees_the_least_recently_used(self):
-        m = DynamicIdMap(4, DynamicIds(evict="lru"))  # 3 rows for ids
+        m = DynamicIdMap(4, DynamicIds(evict="lru", shared_rows=0))  # 3 rows for ids
         m.lookup(torch.tensor([11, 12, 12, 12]), train=True)  # step 1
         m.lookup(torch.tensor([13, 11]), train=True)  # step 2
         m.lookup(torch.tensor([13]), train=True)  # step 3
@@ -97,7 +97,7 @@ class TestDynamicIdMap:
         assert m.stats()["evicted"] == 1
 
     def test_lfu_admits_only_ids_seen_more_often_than_the_least_used_row(self):
-        m = DynamicIdMap(4, DynamicIds(evict="lfu"))
+        m = DynamicIdMap(4, DynamicIds(evict="lfu", shared_rows=0))
         m.lookup(torch.tensor([11, 12, 12, 12]), train=True)  # 11 used once, 12 three times
         m.lookup(torch.tensor([13, 11]), train=True)  # 11: twice
         m.lookup(torch.tensor([13]), train=True)  # 13: twice
@@ -109,13 +109,13 @@ class TestDynamicIdMap:
         assert m.stats()["evicted"] == 1
 
     def test_rows_of_the_last_two_lookups_are_never_evicted(self):
-        m = DynamicIdMap(3, DynamicIds())
+        m = DynamicIdMap(3, DynamicIds(shared_rows=0))
         m.lookup(torch.tensor([1, 2]), train=True)
         assert m.lookup(torch.tensor([3]), train=True).tolist() == [0]  # 1, 2 may await gradients
         assert m.lookup(torch.tensor([3]), train=True).tolist() == [1]  # now one of them may go
 
     def test_ttl_expires_unused_ids(self):
-        m = DynamicIdMap(100, DynamicIds(evict="ttl", ttl_steps=3))
+        m = DynamicIdMap(100, DynamicIds(evict="ttl", ttl_steps=3, shared_rows=0))
         m.lookup(torch.tensor([1, 2]), train=True)
         for _ in range(5):
             m.lookup(torch.tensor([2]), train=True)
@@ -124,7 +124,7 @@ class TestDynamicIdMap:
 
     def test_reused_rows_are_reset_first(self):
         resets = []
-        m = DynamicIdMap(3, DynamicIds(), reset=lambda rows, ids: resets.append((rows.tolist(), ids.tolist())))
+        m = DynamicIdMap(3, DynamicIds(shared_rows=0), reset=lambda rows, ids: resets.append((rows.tolist(), ids.tolist())))
         m.lookup(torch.tensor([1, 2]), train=True)
         m.lookup(torch.tensor([3]), train=True)  # full, and 1, 2 are too recent: row 0
         m.lookup(torch.tensor([3]), train=True)  # 1 goes (lru, ties: lower row), 3 takes row 1
@@ -133,29 +133,45 @@ class TestDynamicIdMap:
 
     @settings(max_examples=40, deadline=None)
     @given(st.integers(2, 40), st.integers(1, 3), st.sampled_from(["lru", "lfu", "ttl"]),
+           st.sampled_from([0.0, 0.25, 0.5]),
            st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=30), min_size=1, max_size=25))
-    def test_capacity_stable_rows_and_consistency(self, rows, admit_after, policy, stream):
+    def test_capacity_stable_rows_and_consistency(self, rows, admit_after, policy, shared, stream):
         resets: list[tuple[list[int], list[int]]] = []
-        m = DynamicIdMap(rows, DynamicIds(admit_after=admit_after, evict=policy, ttl_steps=2),
+        m = DynamicIdMap(rows, DynamicIds(admit_after=admit_after, evict=policy, ttl_steps=2, shared_rows=shared),
                          reset=lambda r, i: resets.append((r.tolist(), i.tolist())))
+        s = m.shared
         held: dict[int, int] = {}  # id -> row, as seen in lookups
         for ids in stream:
             before = len(resets)
             out = m.lookup(torch.tensor(ids, dtype=torch.int64), train=True).tolist()
+            hashed = shared_rows_of(torch.tensor(ids, dtype=torch.int64), s).tolist()
+            assert all(r == h for r, h in zip(out, hashed, strict=True) if r < s)  # its own shared row
             fresh = {i for _, new in resets[before:] for i in new}
             for i, r in zip(ids, out, strict=True):
                 assert 0 <= r < rows
-                if r and i in held and held[i] != r:
+                if r >= s and i in held and held[i] != r:
                     assert i in fresh, f"id {i} moved from row {held[i]} to {r} without a new admission"
-                if r:
+                if r >= s:
                     held[i] = r
-            pairs = {(i, r) for i, r in zip(ids, out, strict=True) if r}
+            pairs = {(i, r) for i, r in zip(ids, out, strict=True) if r >= s}
             assert len({r for _, r in pairs}) == len(pairs)  # distinct ids, distinct rows
-            assert m.ids_held <= rows - 1 and m.stats()["rows_used"] <= rows
+            assert m.ids_held <= rows - s and m.stats()["rows_used"] <= rows
             keys, slots = m.items()
             assert keys.numel() == m.ids_held
             assert torch.equal(m.row_id[slots], keys) and bool(m.used[slots].all())
-            assert int(m.used.sum()) == m.ids_held and not bool(m.used[0])
+            assert int(m.used.sum()) == m.ids_held and not bool(m.used[:s].any())
+            assert not bool(torch.isin(slots, torch.arange(s)).any())
+
+    def test_ids_without_a_row_scatter_over_the_shared_rows(self):
+        m = DynamicIdMap(40, DynamicIds(admit_after=2, shared_rows=0.25))  # S = 10, 30 rows for ids
+        assert m.shared == 10 and m.stats()["rows_used"] == 10
+        ids = torch.arange(1000, 1200, dtype=torch.int64)  # seen once: none admitted
+        train = m.lookup(ids, train=True)
+        assert torch.equal(train, shared_rows_of(ids, 10)) and len(set(train.tolist())) == 10
+        assert torch.equal(m.lookup(ids + 7, train=False), shared_rows_of(ids + 7, 10))  # unseen: same rule
+        assert m.stats()["default_lookups"] == 200 and m.ids_held == 0
+        admitted = m.lookup(ids[:5], train=True)  # seen twice: rows of their own, after the shared ones
+        assert bool((admitted >= 10).all()) and m.stats()["rows_used"] == 15
 
     def test_state_round_trip_continues_identically(self):
         cfg = DynamicIds(admit_after=2, evict="lfu")

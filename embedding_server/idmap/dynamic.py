@@ -1,7 +1,8 @@
 """One dynamic table's id map: raw 64-bit ids -> rows, with admission and eviction.
 
-Row 0 is the table's shared default row: ids not (yet) admitted read and train it. Rows 1..R-1
-each hold one admitted id while it keeps its row. A training lookup, on the batch's distinct
+Rows 0..S-1 are the table's shared rows (S from ``shared_rows``): an id not (yet) admitted
+reads and trains shared row hash(id) % S (:func:`shared_rows_of`), so the tail scatters over S
+rows instead of piling on one. Rows S..R-1 each hold one admitted id while it keeps its row. A training lookup, on the batch's distinct
 ids at once:
 
     known ids      -> their rows; last use and use count updated
@@ -14,11 +15,11 @@ ids at once:
                       have been applied yet: pipelined and semi-synchronous servers)
     a row reused   -> ``reset(rows, ids)`` re-initialises its weights and optimizer state first
 
-An evaluation (or serving) lookup only reads: unknown ids get row 0 and nothing changes.
+An evaluation (or serving) lookup only reads: unknown ids get their shared row and nothing changes.
 Every structure has a fixed size (capacity R, sketch width W), so memory is bounded whatever the
 number of distinct ids, and the whole state is a handful of tensors (checkpoints).
 
-Shape letters: R rows of the table, n ids in a call (u distinct).
+Shape letters: R rows of the table (S shared), n ids in a call (u distinct).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from dlrm_core.schema import DynamicIds
-from embedding_server.idmap.hash_table import IdHashTable
+from dlrm_core.schema import DynamicIds, shared_row_count
+from embedding_server.idmap.hash_table import IdHashTable, mix64
 from embedding_server.idmap.sketch import CountMinSketch
 
 EVICT_CHUNK = 64
@@ -44,20 +45,30 @@ def sketch_width(rows: int) -> int:
     counts of a table's candidates are not drowned in collisions; 16 MB at most)."""
     return min(max(2 * rows, 1 << 16), 1 << 20)
 
+SHARED_SALT = 2
+"""Salt of the hash that picks an id's shared row (independent of the hash table's and the sketch's)."""
+
+
+def shared_rows_of(ids: torch.Tensor, shared: torch.Tensor | int) -> torch.Tensor:
+    """Shared row of each raw id, int64 [n] in [0, S): hash(id) % S (``shared``: S, one int or
+    one per id). Training, evaluation and serving all map ids without a row through this."""
+    return torch.remainder(mix64(ids, salt=SHARED_SALT), shared)
+
+
 Reset = Callable[[torch.Tensor, torch.Tensor], None]
 """reset(rows int64 [k], ids int64 [k]): fresh weights and optimizer state for rows given to ids."""
 
 
 class DynamicIdMap:
-    """Raw ids -> rows of one table of ``rows`` rows (row 0 the default).
+    """Raw ids -> rows of one table of ``rows`` rows (the first S shared).
 
     Args:
-        rows: R, the table's rows (its capacity: R - 1 ids, plus the default row).
+        rows: R, the table's rows (its capacity: R - S ids, plus the S shared rows).
         cfg: admission and eviction settings.
         reset: called with the rows (and their new ids) about to be reused.
 
     Example:
-        >>> m = DynamicIdMap(4, DynamicIds(admit_after=2))
+        >>> m = DynamicIdMap(4, DynamicIds(admit_after=2, shared_rows=0))  # S = 1: row 0
         >>> m.lookup(torch.tensor([10, 11, 10]), train=True)  # 10 seen twice: admitted
         tensor([1, 0, 1])
     """
@@ -65,16 +76,17 @@ class DynamicIdMap:
     def __init__(self, rows: int, cfg: DynamicIds, reset: Reset | None = None,
                  storage: dict[str, torch.Tensor] | None = None) -> None:
         self.rows, self.cfg, self.reset = rows, cfg, reset
+        self.shared = shared_row_count(rows, cfg)  # S
         views = storage or {}
-        self.table = IdHashTable(rows - 1, views.get("keys"), views.get("slots"))
+        self.table = IdHashTable(rows - self.shared, views.get("keys"), views.get("slots"))
         self.sketch = CountMinSketch(sketch_width(rows)) if cfg.admit_after > 1 or cfg.evict == "lfu" else None
         self.row_id = torch.zeros(rows, dtype=torch.int64)  # [R] the id each row holds
-        self.used = torch.zeros(rows, dtype=torch.bool)  # [R] row 0 is never "used" by an id
+        self.used = torch.zeros(rows, dtype=torch.bool)  # [R] shared rows are never "used" by an id
         self.last = views.get("last", torch.zeros(rows, dtype=torch.int64))  # [R] clock of the last training use
         self.uses = views.get("uses", torch.zeros(rows, dtype=torch.int64))  # [R] training lookups since admission
-        self.free = torch.arange(rows - 1, 0, -1, dtype=torch.int64)  # [R - 1] stack, top last
+        self.free = torch.arange(rows - 1, self.shared - 1, -1, dtype=torch.int64)  # [R - S] stack, top last
         self.counters = views.get("counters", torch.zeros(len(COUNTERS), dtype=torch.int64))
-        self.counters[COUNTERS.index("free")] = rows - 1
+        self.counters[COUNTERS.index("free")] = rows - self.shared
 
     def _get(self, name: str) -> int:
         return int(self.counters[COUNTERS.index(name)])
@@ -84,19 +96,19 @@ class DynamicIdMap:
 
     @property
     def ids_held(self) -> int:
-        return self.rows - 1 - self._get("free")
+        return self.rows - self.shared - self._get("free")
 
     def lookup(self, ids: torch.Tensor, train: bool) -> torch.Tensor:
         """Row of each raw id, int64 [n]; a training lookup admits and evicts (one step)."""
         rows = self.table.find(ids)  # [n], -1: not admitted
         if not train:
-            return rows.clamp(min=0)
+            return torch.where(rows >= 0, rows, shared_rows_of(ids, self.shared))
         self._add("clock", 1)
         known = rows >= 0
         self.touch(rows[known])
         if not bool(known.all()):
             rows[~known] = self.admit(ids[~known])
-        self._add("default_lookups", int((rows == 0).sum()))
+        self._add("default_lookups", int((rows < self.shared).sum()))
         self.end_step()
         return rows
 
@@ -106,9 +118,9 @@ class DynamicIdMap:
         self.uses.index_add_(0, rows, torch.ones_like(rows))
 
     def admit(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ids [n] not in the map: those admitted now get one, the rest row 0 -> int64 [n]."""
+        """Rows of ids [n] not in the map: those admitted now get one, the rest their shared row -> int64 [n]."""
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # [u]
-        rows = torch.zeros_like(uniq)
+        rows = shared_rows_of(uniq, self.shared)  # [u]
         new, priority = torch.arange(uniq.numel()), counts
         if self.sketch is not None:
             estimate, halved = self.sketch.add(uniq, counts)
@@ -144,7 +156,7 @@ class DynamicIdMap:
             self._release(victims[wins])
             take = torch.cat([take, rest[wins]])
         elif k > free:
-            self._release(self._victims(max(k - free, (self.rows - 1) // EVICT_CHUNK), clock))
+            self._release(self._victims(max(k - free, (self.rows - self.shared) // EVICT_CHUNK), clock))
             take = torch.arange(min(k, self._get("free")))
         n, top = take.numel(), self._get("free")
         if n == 0:
@@ -191,8 +203,9 @@ class DynamicIdMap:
     # -- inspection and state -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """rows_used (admitted ids plus the default row), admitted, evicted, default_lookups."""
-        return {"rows_used": self.ids_held + 1, "admitted": self._get("admitted"),
+        """rows_used (admitted ids plus the shared rows), admitted, evicted, default_lookups
+        (lookups that read a shared row)."""
+        return {"rows_used": self.ids_held + self.shared, "admitted": self._get("admitted"),
                 "evicted": self._get("evicted"), "default_lookups": self._get("default_lookups")}
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:

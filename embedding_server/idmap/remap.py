@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 
 from dlrm_core.batch import SparseFeatures
-from embedding_server.idmap.dynamic import COUNTERS, DynamicIdMap
+from dlrm_core.schema import shared_row_count
+from embedding_server.idmap.dynamic import COUNTERS, DynamicIdMap, shared_rows_of
 from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, probe
 from embedding_server.local_table import LocalTable
 
@@ -60,7 +61,8 @@ class ShardIdMaps:
             if local.row_start != 0 or local.spec.rows != local.table.rows:
                 raise ValueError(f"table {local.table.name}: dynamic ids need whole rows on one shard")
         rows = [tables[t].spec.rows for t in mine]
-        buckets = [buckets_for(r - 1) for r in rows]
+        shared = [shared_row_count(tables[t].spec.rows, tables[t].table.dynamic) for t in mine]
+        buckets = [buckets_for(r - s) for r, s in zip(rows, shared, strict=True)]
         # Side-by-side storage: buckets [sum H_t], row statistics [sum R_t], counters [M, 5].
         self.keys = torch.zeros(sum(buckets), dtype=torch.int64)
         self.slots = torch.full((sum(buckets),), EMPTY, dtype=torch.int64)
@@ -70,6 +72,7 @@ class ShardIdMaps:
         self.bucket_base = torch.tensor([sum(buckets[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
         self.bucket_mask = torch.tensor([h - 1 for h in buckets], dtype=torch.int64)  # [M]
         self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
+        self.shared = torch.tensor(shared, dtype=torch.int64)  # [M] S of each map
         self.maps: dict[int, DynamicIdMap] = {}
         for i, t in enumerate(mine):
             h0, r0 = int(self.bucket_base[i]), int(self.row_base[i])
@@ -98,7 +101,10 @@ class ShardIdMaps:
         ids, k = sparse.values[where], map_of_value[where]
         pos = probe(self.keys, self.slots, ids, self.bucket_base[k], self.bucket_mask[k])
         rows = torch.where(pos >= 0, self.slots[pos.clamp(min=0)], torch.full_like(pos, -1))
-        rows = self._train(ids, k, rows) if train else rows.clamp(min=0)
+        if train:
+            rows = self._train(ids, k, rows)
+        else:  # ids without a row read their shared row
+            rows = torch.where(rows >= 0, rows, shared_rows_of(ids, self.shared[k]))
         values = sparse.values.clone()
         values[where] = rows
         return SparseFeatures(values, sparse.offsets, sparse.batch_size)
@@ -117,7 +123,8 @@ class ShardIdMaps:
             for i in torch.unique(k_absent).tolist():  # only the tables with new ids
                 sel = absent[k_absent == i]
                 rows[sel] = self.map_list[i].admit(ids[sel])
-        self.counters[:, default] += torch.bincount(k[rows == 0], minlength=len(self.map_list))
+        shared = rows < self.shared[k]
+        self.counters[:, default] += torch.bincount(k[shared], minlength=len(self.map_list))
         for m in self.ttl_maps:
             m.end_step()
         return rows
