@@ -193,6 +193,9 @@ class FileStore(ServingStore):
         arr = self._map(version, table)
         return np.asarray(arr[ids], dtype=np.float32), np.ones(len(ids), dtype=bool)
 
+    def mapped_table(self, version: str, table: str) -> np.ndarray | None:
+        return np.asarray(self._map(version, table))  # the mapping, as a plain ndarray (no memmap per gather)
+
     def begin(self, meta: ModelVersion) -> VersionWriter:
         check_version_name(meta.version)
         if (self.versions_dir / meta.version).exists():
