@@ -104,7 +104,8 @@ class Batcher:
             self._local.coming = False
             with self._cond:
                 self._coming -= 1
-                self._cond.notify_all()
+                if self._queue:  # only a forming batch waits for comers (a needless wake costs a GIL hand-off)
+                    self._cond.notify_all()
 
     def score(self, model: ServingModel, inputs: ModelInputs) -> list[float]:
         """Predictions of ``inputs``, scored alone at once when the batcher is idle, else with
@@ -128,7 +129,8 @@ class Batcher:
             if running:
                 with self._cond:
                     self._busy = False
-                    self._cond.notify_all()
+                    if self._queue:
+                        self._cond.notify_all()
 
     # -- the batcher thread ------------------------------------------------------------------------
     def start(self) -> None:

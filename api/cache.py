@@ -100,6 +100,28 @@ class RowCache:
             slots, hit = cache.lookup(ids)
             return cache.rows[np.maximum(slots, 0)], hit
 
+    def gather(self, tables: list[str], ids: list[int], out: np.ndarray, columns: list[int]) -> bool:
+        """One-hot examples: ``out[b, columns[f]:columns[f + 1]]`` = the cached row of id
+        ``ids[f * B + b]`` of table ``tables[f]`` (out float [B, sum D]); False (``out``
+        unspecified) unless every row is cached. One lock, no arrays built per table."""
+        batch = out.shape[0]
+        found = []
+        with self.lock:
+            for f, name in enumerate(tables):
+                cache = self.tables.get(name)
+                if cache is None:
+                    return False
+                for b in range(batch):
+                    slot = cache.slots.get(ids[f * batch + b])
+                    if slot is None:
+                        return False
+                    found.append((cache, slot))
+            for k, (cache, slot) in enumerate(found):
+                f, b = divmod(k, batch)
+                cache.referenced[slot] = True
+                out[b, columns[f] : columns[f + 1]] = cache.rows[slot]
+        return True
+
     def put(self, table: str, ids: np.ndarray, rows: np.ndarray, epoch: int) -> None:
         """Cache rows read from the store when the table's epoch was ``epoch``; if rows were
         invalidated since (a live update raced the read), the read may be stale: drop it."""

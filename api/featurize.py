@@ -17,6 +17,7 @@ import pyarrow as pa
 from api.errors import InputError
 from dlrm_core.errors import DataError
 from dlrm_core.featurize import Featurizer, ParsedBlock
+from dlrm_core.featurize_values import ValueFeaturizer
 from dlrm_core.formats import LineParser
 from dlrm_core.schema import CategoricalFeature, FeatureSpec
 
@@ -93,14 +94,6 @@ def columns_of(spec: FeatureSpec, dense: list[list], cats: list[list]) -> tuple[
     return columns, any_bag
 
 
-def instances_to_columns(spec: FeatureSpec, instances: list) -> tuple[dict[str, pa.Array], bool]:
-    """Validated instances -> (one arrow column per feature, whether any is a bag)."""
-    dense_rows, cat_rows = _rows(spec, instances)
-    dense = [[row[j] for row in dense_rows] for j in range(len(spec.dense))]
-    cats = [[row[j] for row in cat_rows] for j in range(len(spec.categorical))]
-    return columns_of(spec, dense, cats)
-
-
 def featurize_columns(featurizer: Featurizer, columns: dict[str, pa.Array], any_bag: bool, n: int,
                       where) -> ModelInputs:
     """Arrow columns of ``n`` examples -> model inputs; the first bad value is a 422 at the
@@ -113,9 +106,18 @@ def featurize_columns(featurizer: Featurizer, columns: dict[str, pa.Array], any_
     return parsed.model_inputs()
 
 
-def featurize_instances(spec: FeatureSpec, featurizer: Featurizer, instances: list) -> ModelInputs:
-    """JSON instances -> model inputs; a bad value is a 422 naming ``instances.<i>.<feature>``."""
-    columns, any_bag = instances_to_columns(spec, instances)
+def featurize_instances(spec: FeatureSpec, featurizer: Featurizer, instances: list,
+                        values: ValueFeaturizer | None = None) -> ModelInputs:
+    """JSON instances -> model inputs; a bad value is a 422 naming ``instances.<i>.<feature>``.
+    A few one-hot instances go through ``values`` (the value path) when given, when it takes them."""
+    dense_rows, cat_rows = _rows(spec, instances)
+    dense = [[row[j] for row in dense_rows] for j in range(len(spec.dense))]
+    cats = [[row[j] for row in cat_rows] for j in range(len(spec.categorical))]
+    if values is not None:
+        inputs = values(dense, cats, len(instances))
+        if inputs is not None:
+            return inputs
+    columns, any_bag = columns_of(spec, dense, cats)
     return featurize_columns(featurizer, columns, any_bag, len(instances),
                              lambda i, feature: _field(spec, instances, i, feature))
 

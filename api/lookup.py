@@ -114,11 +114,39 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
     return out
 
 
+FEW = 16
+"""One-hot requests of at most this many examples try the direct gathers below first."""
+
+
+def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, batch: int) -> torch.Tensor | None:
+    """Pooled embeddings float [B, sum(D_f)] of a few one-hot examples gathered straight into one
+    array: from the tables' mappings (file store), or from the row cache when it holds every row;
+    None: take the general path (a miss, bags, no mapping)."""
+    n_features = len(model.feature_tables)
+    if len(ids) != n_features * batch or batch > FEW or (model.mapped is None and model.cache is None):
+        return None
+    out = np.empty((batch, model.columns[-1]), dtype=np.float32)  # [B, sum D]
+    columns = model.columns
+    if model.mapped is not None:
+        for f, table in enumerate(model.mapped):
+            out[:, columns[f] : columns[f + 1]] = table[ids[f * batch : (f + 1) * batch]]
+    elif not model.cache.gather(model.table_names, ids.tolist(), out, columns):
+        return None
+    distinct = len(set(zip(np.repeat(model.feature_tables, batch).tolist(), ids.tolist(), strict=True)))
+    metrics.lookups.inc(distinct)
+    if model.cache is not None:
+        metrics.cache_hits.inc(distinct)
+    return torch.from_numpy(out)
+
+
 def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
           batch: int) -> torch.Tensor:
     """Pooled embeddings float [B, sum(D_f)] of a feature-major id batch."""
     spec = model.spec
     ids = dynamic_rows(model, metrics, ids, offsets, batch)
+    direct = _direct(metrics, model, ids, batch)
+    if direct is not None:
+        return direct
     uniques, inverse, joint = _table_rows(model, ids, offsets, batch)
     rows = _fetch(store, metrics, model, uniques)
     if not len(spec.categorical):

@@ -10,6 +10,7 @@ from api.cache import RowCache
 from dense_trainer.config import ModelConfig
 from dense_trainer.model import build_served_model
 from dlrm_core.featurize import Featurizer
+from dlrm_core.featurize_values import ValueFeaturizer
 from dlrm_core.formats import LineParser
 from dlrm_core.schema import FeatureSpec
 from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, ModelVersion, encode_rows, row_width
@@ -40,7 +41,8 @@ class ServingModel:
 
     def __init__(self, meta: ModelVersion, dense: torch.nn.Module, cache_bytes: float, remote: bool,
                  cursor: str | None = None, generation: int = 0,
-                 id_maps: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+                 id_maps: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                 mapped: list[np.ndarray | None] | None = None) -> None:
         self.meta = meta
         self.version = meta.version
         self.spec: FeatureSpec = meta.spec
@@ -67,8 +69,17 @@ class ServingModel:
         if any(t.rows >= 2**40 for t in meta.spec.tables):
             raise ValueError("tables of 2^40 rows or more are not served (row keys are 40 bits)")
         self.featurizer = Featurizer(meta.spec, with_label=False)
+        self.values = ValueFeaturizer(meta.spec)
+        """Featurises a few one-hot examples given as values (``dlrm_core/featurize_values.py``)."""
         self.lines = LineParser(meta.spec) if meta.spec.columns else None
         """Parses lines in the model's input layout (None: the version does not record its columns)."""
+        dims = self.spec.feature_dims
+        self.columns = np.concatenate([[0], np.cumsum(dims)]).tolist()
+        """Feature f's columns in the pooled embeddings: ``columns[f]:columns[f + 1]``."""
+        self.mapped = _features_of(meta, mapped)
+        """Per feature, its table's rows in memory (a file store's mapping, float32 or float16
+        [rows, D]); None where a table has none: single requests gather rows from these."""
+        self.table_names = [self.spec.tables[t].name for t in self.feature_tables]
         self.id_maps = id_maps or {}
         """Dynamic tables: (admitted ids int64 [n] sorted, their rows int64 [n]), by table name."""
         self.cursor = cursor
@@ -79,3 +90,14 @@ class ServingModel:
     def new_cache(self) -> RowCache:
         return RowCache([(t.name, t.rows, row_width(t.dim, self.row_dtype)) for t in self.spec.tables],
                         self.cache_bytes, NUMPY_DTYPE[self.row_dtype])
+
+
+def _features_of(meta: ModelVersion, mapped: list[np.ndarray | None] | None) -> list[np.ndarray] | None:
+    """Tables' mappings (table order) -> per feature its table's, when every table has a float one."""
+    if mapped is None:
+        return None
+    tables = meta.spec.tables
+    for t, arr in zip(tables, mapped, strict=True):
+        if arr is None or arr.ndim != 2 or arr.shape != (t.rows, t.dim) or arr.dtype not in (np.float32, np.float16):
+            return None
+    return [mapped[t] for t in meta.spec.feature_tables]

@@ -59,8 +59,9 @@ class ModelService:
         dense = build_dense(meta, self.store.read_dense(version))
         warm_up(dense, meta)
         id_maps = {t.name: self.store.read_id_map(version, t.name) for t in meta.spec.tables if t.dynamic is not None}
+        mapped = [self.store.mapped_table(version, t.name) for t in meta.spec.tables]
         model = ServingModel(meta, dense, self.settings.cache_mb * 2**20, self.store.remote,
-                             cursor=start.cursor, generation=start.generation, id_maps=id_maps)
+                             cursor=start.cursor, generation=start.generation, id_maps=id_maps, mapped=mapped)
         # One request through the whole path (featurising, lookups, network) before real ones.
         empty = PositionalInstance(dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.categorical))
         self.score(model, featurize_instances(meta.spec, model.featurizer, [empty]))
@@ -104,7 +105,8 @@ class ModelService:
         if len(instances) > self.settings.max_instances:
             raise InputError("instances", f"{len(instances)} instances, at most {self.settings.max_instances} per request")
         model = self.resolve(name, version)
-        return self.scored(model, featurize_instances(model.spec, model.featurizer, instances), "instances")
+        return self.scored(model, featurize_instances(model.spec, model.featurizer, instances, model.values),
+                           "instances")
 
     def predict_tsv(self, name: str, text: bytes, version: str | None = None) -> Scored:
         """Click probabilities of lines in the model's input layout."""

@@ -82,11 +82,19 @@ class InteractionArch(nn.Module):
     def num_pairs(self) -> int:
         return self.upper.numel()
 
+    def _dots(self, z: torch.Tensor) -> torch.Tensor:
+        """z [B, N, D] -> upper-triangle dots [B, P]; without autograd (serving), the forward's
+        own two ops, without the autograd.Function's per-call cost."""
+        if torch.is_grad_enabled():
+            return _PairwiseDots.apply(z, self.upper, self.lower)
+        b, n, _ = z.shape
+        return torch.bmm(z, z.transpose(1, 2)).view(b, n * n).index_select(1, self.upper)
+
     def forward(self, dense: torch.Tensor | None, sparse: torch.Tensor) -> torch.Tensor:
         if not self.with_dense:
-            return _PairwiseDots.apply(sparse, self.upper, self.lower)  # [B, F(F-1)/2]
+            return self._dots(sparse)  # [B, F(F-1)/2]
         combined = torch.cat([dense.unsqueeze(1), sparse], dim=1)  # [B, F+1, D]
-        pairs = _PairwiseDots.apply(combined, self.upper, self.lower)  # [B, (F+1)F/2]
+        pairs = self._dots(combined)  # [B, (F+1)F/2]
         return torch.cat([dense, pairs], dim=1)  # [B, D + (F+1)F/2]
 
 

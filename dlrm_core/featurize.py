@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import pyarrow as pa
@@ -192,7 +193,8 @@ def _ints(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         good = pc.or_kleene(pc.match_substring_regex(values, _INTEGER), pc.equal(values, ""))
         good = pc.fill_null(good, True)
-        cleaned = pc.if_else(good, pc.utf8_trim_whitespace(values), pa.scalar(None, pa.string()))
+        trimmed = pc.replace_substring_regex(pc.utf8_trim_whitespace(values), r"^\+", "")  # arrow reads no "+"
+        cleaned = pc.if_else(good, trimmed, pa.scalar(None, pa.string()))
         cleaned = pc.if_else(pc.equal(cleaned, ""), pa.scalar(None, pa.string()), cleaned)
         out = pc.fill_null(pc.cast(cleaned, pa.int64()), 0).to_numpy(zero_copy_only=False)
         return out, good.to_numpy(zero_copy_only=False)
@@ -275,15 +277,34 @@ def parse_numbers(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 def transform_dense(x: np.ndarray, feature: DenseFeature) -> np.ndarray:
     """Raw values float64 [n] (NaN missing) -> model inputs float32 [n]."""
-    missing = np.isnan(x)
-    if feature.transform == "log1p":
-        y = np.log1p(np.maximum(np.nan_to_num(x, nan=0.0), 0.0))
-    elif feature.transform == "standardize":
-        y = (x - (feature.mean or 0.0)) / (feature.std or 1.0)
+    return transform_dense_block(x[:, None], [feature])[:, 0]
+
+
+def transform_dense_block(x: np.ndarray, features: list[DenseFeature]) -> np.ndarray:
+    """Raw values float64 [n, I] (NaN missing) of the dense features in order -> model inputs
+    float32 [n, I]; one call per kind of transform (the column and the value path share it)."""
+    x = np.asarray(x, dtype=np.float64)
+    log, std, mean, scale, missing = _dense_plan(tuple((f.transform, f.mean, f.std, f.missing) for f in features))
+    if len(log) == x.shape[1]:  # every feature log1p (Criteo): no column selection
+        y = np.log1p(np.fmax(x, 0.0))  # fmax: NaN -> 0 (replaced below)
     else:
-        y = x
-    y = np.where(missing, feature.missing, y)
-    return y.astype(np.float32)
+        y = x.copy()
+        if len(log):
+            y[:, log] = np.log1p(np.fmax(x[:, log], 0.0))
+        if len(std):
+            y[:, std] = (x[:, std] - mean) / scale
+    return np.where(np.isnan(x), missing, y).astype(np.float32)
+
+
+@lru_cache(maxsize=64)
+def _dense_plan(kinds: tuple) -> tuple[np.ndarray, ...]:
+    """(transform, mean, std, missing) per feature -> (log1p columns, standardized columns, their
+    means, their scales, the missing value of every column)."""
+    log = np.array([j for j, k in enumerate(kinds) if k[0] == "log1p"], dtype=np.intp)
+    std = np.array([j for j, k in enumerate(kinds) if k[0] == "standardize"], dtype=np.intp)
+    mean = np.array([kinds[j][1] or 0.0 for j in std], dtype=np.float64)
+    scale = np.array([kinds[j][2] or 1.0 for j in std], dtype=np.float64)
+    return log, std, mean, scale, np.array([k[3] for k in kinds], dtype=np.float64)
 
 
 def parse_labels(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -324,13 +345,14 @@ class Featurizer:
         if self.with_label:
             labels, label_ok = parse_labels(columns[LABEL])
             reasons.append((~label_ok, "label is not 0 or 1", "label"))
-        dense = np.empty((n, len(self.spec.dense)), dtype=np.float32)
+        raw = np.empty((n, len(self.spec.dense)), dtype=np.float64)
         for j, feat in enumerate(self.spec.dense):
             x, good = parse_numbers(columns[feat.name])
             reasons.append((~good, f"{feat.name} is not a number", feat.name))
             if feat.integer:
                 reasons.append((good & ~np.isnan(x) & (x != np.floor(x)), f"{feat.name} is not an integer", feat.name))
-            dense[:, j] = transform_dense(x, feat)
+            raw[:, j] = x
+        dense = transform_dense_block(raw, self.spec.dense)
         if multi_hot is None:
             multi_hot = self.multi_hot or any(_is_list(columns[f.name]) for f in self.spec.categorical)
         multi = multi_hot

@@ -123,6 +123,9 @@ def tensors_to_inputs(model: ServingModel, inputs: list[InferInput], values: lis
     assert n is not None  # the request has at least one input
     dense_cols = [col if col is not None else [None] * n for col in dense]
     cat_cols = [col if col is not None else [None] * n for col in cats]
+    fast = model.values(dense_cols, cat_cols, n)  # a few one-hot examples: the value path
+    if fast is not None:
+        return fast, n
     columns, any_bag = columns_of(spec, dense_cols, cat_cols)
 
     def field(i: int, feature: str | None) -> str:

@@ -150,6 +150,11 @@ class ServingStore(ABC):
     def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
         """A dynamic table's (ids int64 [n] sorted, rows int64 [n]), as :meth:`VersionWriter.write_id_map` wrote them."""
 
+    def mapped_table(self, version: str, table: str) -> np.ndarray | None:
+        """The rows of ``table`` as an array in memory (float [rows, D], read-only, the store's
+        own mapping), for stores that have one; None: read rows with :meth:`get_rows`."""
+        return None
+
     def get_rows_many(
         self, version: str, requests: dict[str, np.ndarray]
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:

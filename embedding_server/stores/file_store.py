@@ -203,6 +203,9 @@ class FileStore(ServingStore):
         return {table: (self._map(version, table)[ids], np.ones(len(ids), dtype=bool))
                 for table, ids in requests.items()}
 
+    def mapped_table(self, version: str, table: str) -> np.ndarray | None:
+        return np.asarray(self._map(version, table))  # the mapping, as a plain ndarray (no memmap per gather)
+
     def begin(self, meta: ModelVersion) -> VersionWriter:
         check_version_name(meta.version)
         if (self.versions_dir / meta.version).exists():
