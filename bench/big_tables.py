@@ -10,7 +10,7 @@ Traffic: each categorical value drawn from a Zipf law (exponent ``--zipf``) over
 distinct values per feature, so the hot rows fit in the cache and the tail does not. Per server
 (one uvicorn worker, fresh): *cold*, single-instance requests at ``--rate``/s (open loop) on a
 new process (empty row cache; the file store's pages as the OS page cache holds them); then 3,000
-more requests to warm it; *warm*, the same rate again with new draws; then 256-instance requests,
+more requests (8 at a time) to warm it; *warm*, the same rate again with new draws; then 256-instance requests,
 4 connections, closed loop: instances/s. The server's row-cache hit rate (``/metrics``) is
 reported per pass. Writes bench/results/big_tables.{json,md}.
 """
@@ -65,6 +65,7 @@ def publish_big(run: Path, store, rows: int, version: str, chunk: int = 1 << 16)
     meta = meta.model_copy(update={"version": version, "spec": spec, "default_rows": {}})
     rng = np.random.default_rng(0)
     block = rng.normal(0, 0.05, size=(chunk, spec.tables[0].dim)).astype(np.float32)
+    print(f"big tables: publishing {26 * rows:,} rows to {store.url}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with store.begin(meta) as writer:
         for t in spec.tables:
@@ -101,12 +102,23 @@ def timed_pass(port: int, bodies: list[bytes], rate: float) -> dict:
     return out
 
 
+async def warm(url: str, bodies: list[bytes], clients: int = 8) -> None:
+    """Send every body once, ``clients`` at a time (closed loop: as fast as the server answers)."""
+    queue = list(reversed(bodies))
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def worker():
+            while queue:
+                await client.post(url, content=queue.pop(), headers={"content-type": "application/json"})
+        await asyncio.gather(*(worker() for _ in range(clients)))
+
+
 def run_server(kind: str, url: str, args, pools: dict) -> dict:
+    print(f"big tables: {kind} server", file=sys.stderr, flush=True)
     server = Server(kind, url, args.port, 1, {"DLRM_CACHE_MB": str(args.cache_mb)})
     predict = f"http://127.0.0.1:{args.port}/v1/models/dlrm:predict"
     try:
         out = {"cold": timed_pass(args.port, pools["cold"], args.rate)}
-        asyncio.run(open_loop(predict, pools["warmup"], 400.0))
+        asyncio.run(warm(predict, pools["warmup"]))
         out["warm"] = timed_pass(args.port, pools["warm"], args.rate)
         h0, m0 = cache_counts(args.port)
         out["batch"] = asyncio.run(closed_loop(predict, pools["batch"], 256, args.seconds))
