@@ -169,15 +169,15 @@ def own_part(args, quiet: list[dict]) -> dict:
 def ids_part(args, quiet: list[dict]) -> dict:
     """Hashed vs dynamic ids at equal rows: the AUC-vs-rows curve (mean of ``--seeds`` seeds)."""
     data = args.work / f"ids-{args.ids_rows}-zipf{args.ids_zipf}"
-    if not (data / "bayes.json").exists():
+    if "generated" in args.ids_data and not (data / "bayes.json").exists():
         print(f"generating {args.ids_rows:,} rows (zipf {args.ids_zipf}) into {data}", file=sys.stderr)
         synthesize(data, args.ids_rows, args.synth_test_rows, seed=0, zipf=args.ids_zipf)
-    dynamic = {"ids": "dynamic", "admit_after": args.admit_after, "evict": args.evict}
+    dynamic = {"ids": "dynamic", "admit_after": args.admit_after, "evict": args.evict, "shared_rows": args.shared_rows}
     sets = {f"generated-{args.ids_rows // 1000}k, zipf {args.ids_zipf}": (data / "train.txt", data / "test.txt"),
             "criteo-sample": (args.criteo / "train.txt", args.criteo / "test.txt")}
     results = {}
     for name, (train, test) in sets.items():
-        if not train.exists():
+        if not train.exists() or not any(name.startswith(s) for s in args.ids_data.split(",")):
             continue
         row = {}
         for rows in [int(c) for c in args.capacities.split(",")] + [args.unlimited]:
@@ -206,6 +206,8 @@ def main() -> None:
     p.add_argument("--unlimited", type=int, default=100_000, help="ids part: uncapped rows (the largest vocabulary)")
     p.add_argument("--admit-after", type=int, default=1, help="ids part: dynamic tables' admit_after")
     p.add_argument("--evict", default="lfu", help="ids part: dynamic tables' eviction policy")
+    p.add_argument("--shared-rows", type=float, default=0.25, help="ids part: dynamic tables' shared_rows")
+    p.add_argument("--ids-data", default="generated,criteo", help="ids part: data sets (generated, criteo)")
     p.add_argument("--criteo", type=Path, default=REPO.parent / "shared" / "data" / "criteo-wideresdnn")
     p.add_argument("--avazu", type=Path, default=REPO.parent / "shared" / "data" / "avazu-wideresdnn")
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench")

@@ -147,7 +147,7 @@ class Config(Section):
                 features, self.format, self.label, self.ignore, self.columns, self.header, self.delimiter,
                 table_defaults={"dim": emb.dim, "hash_size": emb.hash_size, "pooling": emb.pooling, "ids": emb.ids,
                                 "admit_after": emb.admit_after, "evict": emb.evict, "ttl_steps": emb.ttl_steps,
-                                "shared_rows": emb.shared_rows},
+                                "shared_rows": emb.shared_rows, "start_from_shared": emb.start_from_shared},
                 table_overrides=overrides, force_dim=1 if self.model.kind == "lr" else None,
             )
         except ValueError as exc:

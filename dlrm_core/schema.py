@@ -98,6 +98,10 @@ class DynamicIds(BaseModel):
     (not admitted yet, evicted, or unseen at evaluation and serving) reads and trains shared row
     hash(id) % S, S = max(1, int(shared_rows * rows)); 0: one shared row (row 0). The rest are
     the capacity for admitted ids."""
+    start_from_shared: bool = True
+    """An admitted id's fresh row starts as a copy of its shared row (what the id read until
+    then); False: uniform(+-init bound) from a hash of (seed, table, id). Its optimizer state
+    starts fresh either way."""
 
 
 def shared_row_count(rows: int, cfg: DynamicIds) -> int:
@@ -238,7 +242,7 @@ def criteo_spec(rows: list[int], dims: list[int], pooling: str = "sum", separato
 
 # -- resolving a declared schema -------------------------------------------------------------------------
 
-_ID_SETTINGS = ("admit_after", "evict", "ttl_steps", "shared_rows")
+_ID_SETTINGS = ("admit_after", "evict", "ttl_steps", "shared_rows", "start_from_shared")
 
 
 def _dynamic_ids(defaults: dict, override: dict) -> DynamicIds | None:
@@ -271,7 +275,7 @@ def build_spec(
     Args:
         features: the ``[[features]]`` list.
         table_defaults: ``dim``, ``hash_size``, ``pooling``, ``ids``, ``admit_after``, ``evict``,
-            ``ttl_steps``, ``shared_rows`` for tables that do not say.
+            ``ttl_steps``, ``shared_rows``, ``start_from_shared`` for tables that do not say.
         table_overrides: per table name, ``rows`` / ``dim`` / ``pooling`` / the id settings
             (``[[embedding.tables]]``).
         force_dim: every table's dim (1 for the logistic-regression baseline).

@@ -33,6 +33,8 @@ class TableOverride(Section):
     """Dynamic ids: this table's expiry (see [embedding] ttl_steps)."""
     shared_rows: float | None = Field(default=None, ge=0, lt=1)
     """Dynamic ids: this table's fraction of hashed shared rows (see [embedding] shared_rows)."""
+    start_from_shared: bool | None = None
+    """Dynamic ids: whether this table's admitted ids start from their shared row (see [embedding])."""
 
 
 class EmbeddingConfig(Section):
@@ -62,6 +64,9 @@ class EmbeddingConfig(Section):
     without a row of its own (not admitted, evicted, unseen) uses shared row hash(id) % S at
     training and serving alike, so the tail scatters instead of piling on one row; 0: one
     shared row (row 0)."""
+    start_from_shared: bool = True
+    """Dynamic ids: an admitted id's fresh row starts as a copy of its shared row (False: from a
+    hash of the id); its optimizer state starts fresh either way."""
     tables: list[TableOverride] = []
     """Per-table overrides, e.g. ``{name = "C3", rows = 10000000, dim = 32}``."""
     init_scale: float = Field(default=0.05, ge=0)

@@ -105,7 +105,7 @@ class EmbeddingShard(nn.Module):
         """Rows trained (what checkpoints write: ``table_snapshot.py``)."""
         # Dynamic tables: raw ids -> rows before the kernels (admission, eviction, row resets).
         self._views: tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]] | None = None
-        self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, seed, init_scale)
+        self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, self._read_rows, seed, init_scale)
 
     @property
     def output_dim(self) -> int:
@@ -121,6 +121,13 @@ class EmbeddingShard(nn.Module):
         for state in self._state_views():
             for name, tensor in state.items():
                 tensor.fill_(start if name == "momentum1" else 0.0)
+
+    @torch.no_grad()
+    def _read_rows(self, piece: int, rows: torch.Tensor) -> torch.Tensor:
+        """Current weights of rows [k] of a piece, float [k, D] (a copy)."""
+        if self._views is None:  # the kernels' storage never moves: views stay valid
+            self._views = (self._table_views(), self._state_views())
+        return self._views[0][piece][rows]
 
     @torch.no_grad()
     def _reset_rows(self, piece: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:

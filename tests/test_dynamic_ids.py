@@ -12,6 +12,7 @@ from dense_trainer.train import Trainer
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.featurize import LABEL, Featurizer
 from dlrm_core.schema import DynamicIds, TableSpec
+from embedding_server.idmap.dynamic import shared_rows_of
 from embedding_server.idmap.remap import init_for_ids
 from embedding_server.local_table import LocalTable
 from embedding_server.optimizers import SparseOptimizerConfig
@@ -49,7 +50,7 @@ def dynamic_shard(rows=4, **ids) -> EmbeddingShard:
 
 
 def test_training_lookup_admits_and_the_fused_update_reaches_the_row():
-    shard = dynamic_shard()
+    shard = dynamic_shard(start_from_shared=False)
     ids = torch.tensor([[2**62 + 5, -7]])  # [F=1, B=2]
     before = shard.table_weights()["t"].clone()
     out = shard(SparseFeatures.one_hot(ids))
@@ -67,7 +68,7 @@ def test_training_lookup_admits_and_the_fused_update_reaches_the_row():
 
 
 def test_a_reused_row_gets_fresh_weights_and_optimizer_state():
-    shard = dynamic_shard(rows=2)  # one row for ids
+    shard = dynamic_shard(rows=2, start_from_shared=False)  # one row for ids
     state = lambda: shard.export_state()["t.momentum1"]  # noqa: E731
     train = lambda i: shard(SparseFeatures.one_hot(torch.tensor([[i]])))  # noqa: E731
     for _ in range(3):  # id 1 trains row 1: its accumulator grows
@@ -82,6 +83,20 @@ def test_a_reused_row_gets_fresh_weights_and_optimizer_state():
     assert float(state()[1]) == pytest.approx(SparseOptimizerConfig().initial_accumulator)
     out.sum().backward()
     assert float(state()[1]) > 0
+
+
+def test_an_admitted_id_starts_from_its_shared_row_and_unseen_ids_read_theirs():
+    shard = dynamic_shard(rows=40, admit_after=2)  # S = 10 shared rows, start_from_shared
+    ids = torch.tensor([[2**40 + 3, 2**40 + 3, 77]])  # [F=1, B=3]: the first seen twice
+    shared = shared_rows_of(ids[0], 10)
+    before = shard.table_weights()["t"].clone()
+    out = shard(SparseFeatures.one_hot(ids))
+    assert torch.equal(out.detach()[0], before[shared[0]]) and torch.equal(out.detach()[2], before[shared[2]])
+    assert shard.id_stats()["t"]["rows_used"] == 11  # 10 shared + the admitted id
+    with torch.no_grad():  # evaluation: an unseen id reads its own shared row
+        unseen = torch.tensor([[5, 6, 2**50]])
+        got = shard(SparseFeatures.one_hot(unseen))
+    assert torch.equal(got, before[shared_rows_of(unseen[0], 10)])
 
 
 @pytest.mark.slow

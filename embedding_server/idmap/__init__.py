@@ -6,7 +6,7 @@ modulo) and its shard maps them to rows before the fused kernel runs:
     hash_table.py   IdHashTable: vectorised open addressing, id -> row (find / insert / delete)
     sketch.py       CountMinSketch: bounded occurrence counts, for admission
     dynamic.py      DynamicIdMap: one table's map: admission (admit_after), eviction (lru / lfu /
-                    ttl), the shared default row 0, counters; fixed-size tensors throughout
+                    ttl), the hashed shared rows, counters; fixed-size tensors throughout
     remap.py        ShardIdMaps: a shard's maps applied to a lookup's ids, fresh rows for new ids
 
 Hashed tables never come here: their rows are ``id % rows`` from the featuriser, as always.

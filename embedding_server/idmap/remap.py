@@ -9,8 +9,9 @@ touched, in one probe over the whole batch; only tables with new ids do work of 
 A lookup with gradients enabled is a training lookup (admits, evicts); one without (evaluation,
 serving) only reads.
 
-A row given to a new id starts from :func:`init_for_ids`: uniform(+-bound) drawn from a hash of
-(seed, table, id, column), so an id's fresh row is the same on whatever shard or row it lands.
+A row given to a new id starts as a copy of the id's shared row (``start_from_shared``: what the
+id read until then), or from :func:`init_for_ids`: uniform(+-bound) drawn from a hash of (seed,
+table, id, column). Either way an id's fresh row is the same on whatever shard or row it lands.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from embedding_server.local_table import LocalTable
 
 RowReset = Callable[[int, torch.Tensor, torch.Tensor], None]
 """reset(piece, rows [k], fresh weights [k, D]) on the shard's piece ``piece``."""
+RowRead = Callable[[int, torch.Tensor], torch.Tensor]
+"""read(piece, rows [k]) -> the piece's current weights of those rows, float [k, D] (a copy)."""
 
 
 def init_for_ids(ids: torch.Tensor, local: LocalTable, seed: int, init_scale: float | None) -> torch.Tensor:
@@ -49,10 +52,11 @@ class ShardIdMaps:
             never split by rows, so a piece holds all the table's rows).
         feature_map: the piece each feature of a lookup reads.
         reset: writes fresh weights and optimizer state into rows of a piece.
+        read: reads rows of a piece (the shared rows that admitted ids start from).
         seed, init_scale: as the shard's initialisation.
     """
 
-    def __init__(self, tables: list[LocalTable], feature_map: list[int], reset: RowReset,
+    def __init__(self, tables: list[LocalTable], feature_map: list[int], reset: RowReset, read: RowRead,
                  seed: int = 0, init_scale: float | None = None) -> None:
         self.tables = tables
         mine = [t for t, local in enumerate(tables) if local.table.dynamic is not None]
@@ -79,14 +83,17 @@ class ShardIdMaps:
             views = {"keys": self.keys[h0 : h0 + buckets[i]], "slots": self.slots[h0 : h0 + buckets[i]],
                      "last": self.last[r0 : r0 + rows[i]], "uses": self.uses[r0 : r0 + rows[i]],
                      "counters": self.counters[i]}
-            self.maps[t] = DynamicIdMap(rows[i], tables[t].table.dynamic, self._resetter(t, reset, seed, init_scale), views)
+            self.maps[t] = DynamicIdMap(rows[i], tables[t].table.dynamic, self._resetter(t, reset, read, seed, init_scale), views)
         self.map_list = list(self.maps.values())
         number = {t: i for i, t in enumerate(mine)}
         self.map_of_feature = torch.tensor([number.get(t, -1) for t in feature_map], dtype=torch.int64)  # [F]
         self.ttl_maps = [m for m in self.map_list if m.cfg.evict == "ttl"]
 
-    def _resetter(self, t: int, reset: RowReset, seed: int, init_scale: float | None):
+    def _resetter(self, t: int, reset: RowReset, read: RowRead, seed: int, init_scale: float | None):
         local = self.tables[t]
+        if local.table.dynamic.start_from_shared:
+            shared = local.table.shared_row_count
+            return lambda rows, ids: reset(t, rows, read(t, shared_rows_of(ids, shared)))
         return lambda rows, ids: reset(t, rows, init_for_ids(ids, local, seed, init_scale))
 
     def __bool__(self) -> bool:
