@@ -112,7 +112,7 @@ def _general(model) -> None:
 def test_direct_paths_predict_as_the_general_ones(kind, trained_criteo, criteo_sample, tmp_path, redis_server):
     url = f"file://{tmp_path / 'store'}" if kind == "file" else redis_server.url + "?prefix=fastpath"
     publish_checkpoint(trained_criteo, open_store(url), version="v1")
-    lines = (criteo_sample / "test.txt").read_text().splitlines()[:40]
+    lines = (criteo_sample / "test.txt").read_text().splitlines()[:12]
     bodies = [json.dumps({"instances": [to_instance(line, named=k % 2 == 1)]}).encode() for k, line in enumerate(lines)]
     service = ModelService(open_store(url), Settings(store=url), ServingMetrics())
     service.refresh()
