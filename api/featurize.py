@@ -135,6 +135,9 @@ def _field(spec: FeatureSpec, instances: list, i: int, feature: str | None) -> s
 
 def featurize_lines(parser: LineParser, text: bytes, max_lines: int) -> tuple[ModelInputs, int]:
     """Lines in the model's input layout -> (model inputs, rows); a bad line is a 422 naming it."""
+    single = parser.one_line(text)  # one plain line: the value path
+    if single is not None:
+        return single, 1
     if text.count(b"\n") > max_lines + 1:
         raise InputError("body", f"more than {max_lines} lines, at most {max_lines} per request")
     try:

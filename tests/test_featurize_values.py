@@ -123,3 +123,37 @@ def test_direct_paths_predict_as_the_general_ones(kind, trained_criteo, criteo_s
     _general(service.model)
     slow = [service.predict_json("dlrm", b).predictions for b in bodies]
     assert fast == slow
+
+
+CRITEO = build_spec([*(DenseFeature(kind="dense", name=f"I{i}", integer=True) for i in range(1, 4)),
+                     CategoricalFeature(kind="categorical", name="C1", encoding="hex", rows=1000),
+                     CategoricalFeature(kind="categorical", name="C2", encoding="hex", rows=77)],
+                    "criteo", label="label", columns=["label", "I1", "I2", "I3", "C1", "C2"],
+                    table_defaults={"dim": 4, "hash_size": 1000})
+field = st.one_of(st.just(""), st.from_regex(r"-?[0-9]{1,17}", fullmatch=True), st.sampled_from(["1.5", "+3", "x", " 4"]),
+                  hexes, st.text(alphabet="0123456789abcdefgXYZ", max_size=18))
+line = st.tuples(st.sampled_from(["0", "1", "", "2", None]), st.lists(field, min_size=5, max_size=5))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(row=line)
+def test_one_line_gives_the_line_parsers_inputs_or_defers(row):
+    from api.featurize import featurize_lines
+    from dlrm_core.formats import LineParser
+
+    label, fields = row
+    text = "\t".join(([label] if label is not None else []) + fields).encode() + b"\n"
+    parser = LineParser(CRITEO)
+    try:
+        expected, _ = featurize_lines(type("Columns", (), {"one_line": lambda self, t: None,
+                                                           "parse": parser.parse})(), text, 10)
+    except InputError as exc:
+        with pytest.raises(InputError) as raised:
+            featurize_lines(parser, text, 10)
+        assert raised.value.field == exc.field
+        return
+    for a, b in zip(expected, featurize_lines(parser, text, 10)[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    if label in ("0", "1", None) and all(f == "" or (f.isdigit() and not f.startswith("0")) for f in fields[:3]) \
+            and all(len(f) <= 16 and all(c in "0123456789abcdef" for c in f) for f in fields[3:]):
+        assert parser.one_line(text) is not None  # plain lines do take the value path

@@ -12,12 +12,16 @@ from worker threads).
 from __future__ import annotations
 
 import csv
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from dlrm_core.errors import DataError
 from dlrm_core.featurize import LABEL, Featurizer, ParsedBlock
+from dlrm_core.featurize_values import ValueFeaturizer
 from dlrm_core.formats.base import FileLayout, RawBlock, check_files, feature_positions, open_stream
 from dlrm_core.formats.delimited import DelimitedFormat
 from dlrm_core.formats.parquet import ParquetFormat
@@ -78,6 +82,11 @@ class InputReader:
         return self.featurizer(columns, n, lines, name, bad)
 
 
+_PLAIN_INT = re.compile(r"-?[1-9][0-9]{0,14}|0")
+"""A dense field the value path reads: an integer every parser reads alike (no sign on 0, no
+leading zeros, exact as float64)."""
+
+
 class LineParser:
     """Lines in a model's own input layout, as a request sends them (``:predict_tsv``), with or
     without the label column. Parquet models take tab-separated lines in the schema's column order.
@@ -94,6 +103,34 @@ class LineParser:
         without = [n for i, n in enumerate(self.names) if i != self.with_label.positions[LABEL]]
         self.without_label = FileLayout(Path("request"), without, feature_positions(spec, without, "request", False))
         self.featurize = {True: Featurizer(spec, True), False: Featurizer(spec, False)}
+        self.values = ValueFeaturizer(spec)
+
+    def one_line(self, text: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A single unquoted line -> model inputs through the value path (the same inputs as
+        :meth:`parse`); None where :meth:`parse` must take it (several lines, quoting, a field
+        count or a value it reads otherwise: a label other than 0/1, a number that is not a
+        plain integer, ...), which also reports what is wrong."""
+        if self.format.quoted or text.count(b"\n") > 1:
+            return None
+        try:
+            line = text.rstrip(b"\n").decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        fields = line.split(self.format.delimiter)
+        if not line.strip() or "\r" in line or len(fields) not in (len(self.names), len(self.names) - 1):
+            return None
+        layout = self.with_label if len(fields) == len(self.names) else self.without_label
+        at = layout.positions
+        if LABEL in at and fields[at[LABEL]] not in ("0", "1"):
+            return None
+        dense = []
+        for f in self.spec.dense:
+            v = fields[at[f.name]]
+            if v and not _PLAIN_INT.fullmatch(v):
+                return None
+            dense.append([int(v) if v else None])
+        cats = [[fields[at[f.name]] or None] for f in self.spec.categorical]
+        return self.values(dense, cats, 1)
 
     def fields(self, first_line: bytes) -> int:
         text = first_line.decode("utf-8", errors="replace").rstrip("\r\n")
