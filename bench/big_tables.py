@@ -8,7 +8,7 @@ row is measured (``INFO memory``: used_memory after over before, over the rows).
 
 Traffic: each categorical value drawn from a Zipf law (exponent ``--zipf``) over ``--rows``
 distinct values per feature, so the hot rows fit in the cache and the tail does not. Per server
-(one uvicorn worker, fresh): *cold*, single-instance requests at ``--rate``/s (open loop) on a
+(one uvicorn worker, fresh): *cold*, single-instance requests at ``--rate``/s (open loop, ``bench/loadgen.c``) on a
 new process (empty row cache; the file store's pages as the OS page cache holds them); then 3,000
 more requests (8 at a time) to warm it; *warm*, the same rate again with new draws; then 256-instance requests,
 4 connections, closed loop: instances/s. The server's row-cache hit rate (``/metrics``) is
@@ -18,7 +18,6 @@ reported per pass. Writes bench/results/big_tables.{json,md}.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import subprocess
 import sys
@@ -34,7 +33,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
 
-from serving import Server, closed_loop, open_loop  # noqa: E402
+from serving import LoadGen, Server, build_loadgen  # noqa: E402
 
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
 
@@ -94,36 +93,29 @@ def cache_counts(port: int) -> tuple[float, float]:
     return hits, misses
 
 
-def timed_pass(port: int, bodies: list[bytes], rate: float) -> dict:
+def timed_pass(gen: LoadGen, port: int, bodies: Path, seconds: float, rate: float) -> dict:
+    """Open loop at ``rate`` (bench/loadgen.c), with the server's row-cache hit rate over it."""
     h0, m0 = cache_counts(port)
-    out = asyncio.run(open_loop(f"http://127.0.0.1:{port}/v1/models/dlrm:predict", bodies, rate))
+    out = gen.run(bodies, seconds, rate=rate)
     h1, m1 = cache_counts(port)
     out["cache_hit_rate"] = (h1 - h0) / max(1.0, (h1 - h0) + (m1 - m0))
     return out
 
 
-async def warm(url: str, bodies: list[bytes], clients: int = 8) -> None:
-    """Send every body once, ``clients`` at a time (closed loop: as fast as the server answers)."""
-    queue = list(reversed(bodies))
-    async with httpx.AsyncClient(timeout=60) as client:
-        async def worker():
-            while queue:
-                await client.post(url, content=queue.pop(), headers={"content-type": "application/json"})
-        await asyncio.gather(*(worker() for _ in range(clients)))
-
-
-def run_server(kind: str, url: str, args, pools: dict) -> dict:
+def run_server(kind: str, url: str, args, pools: dict[str, Path], loadgen: Path) -> dict:
     print(f"big tables: {kind} server", file=sys.stderr, flush=True)
     server = Server(kind, url, args.port, 1, {"DLRM_CACHE_MB": str(args.cache_mb)})
-    predict = f"http://127.0.0.1:{args.port}/v1/models/dlrm:predict"
+    gen = LoadGen(loadgen, args.port, "/v1/models/dlrm:predict", args.work)
     try:
-        out = {"cold": timed_pass(args.port, pools["cold"], args.rate)}
-        asyncio.run(warm(predict, pools["warmup"]))
-        out["warm"] = timed_pass(args.port, pools["warm"], args.rate)
+        out = {"cold": timed_pass(gen, args.port, pools["cold"], args.pass_seconds, args.rate)}
+        gen.run(pools["warmup"], 3000 / args.rate, conns=8)  # closed loop: as fast as the server answers
+        out["warm"] = timed_pass(gen, args.port, pools["warm"], args.pass_seconds, args.rate)
         h0, m0 = cache_counts(args.port)
-        out["batch"] = asyncio.run(closed_loop(predict, pools["batch"], 256, args.seconds))
+        batch = gen.run(pools["batch"], args.seconds, conns=4)
         h1, m1 = cache_counts(args.port)
-        out["batch"]["cache_hit_rate"] = (h1 - h0) / max(1.0, (h1 - h0) + (m1 - m0))
+        batch["instances_per_s"] *= 256  # requests/s of 256-instance requests
+        batch["cache_hit_rate"] = (h1 - h0) / max(1.0, (h1 - h0) + (m1 - m0))
+        out["batch"] = batch
     finally:
         server.stop()
     return out
@@ -150,9 +142,15 @@ def main() -> None:
 
     run = small_model(args.work)
     n = int(args.rate * args.pass_seconds)
-    single = {name: [json.dumps({"instances": [i]}).encode() for i in zipf_instances(k, args.rows, args.zipf, seed)]
-              for name, k, seed in (("cold", n, 1), ("warmup", 3000, 2), ("warm", n, 3))}
-    pools = {**single, "batch": json.dumps({"instances": zipf_instances(256, args.rows, args.zipf, 4)}).encode()}
+    args.work.mkdir(parents=True, exist_ok=True)
+    loadgen = build_loadgen(args.work)
+    pools = {}
+    for name, k, seed in (("cold", n, 1), ("warmup", 3000, 2), ("warm", n, 3)):
+        pools[name] = args.work / f"bodies-{name}.txt"  # one JSON body per line, sent in turn
+        pools[name].write_bytes(b"\n".join(json.dumps({"instances": [i]}).encode()
+                                           for i in zipf_instances(k, args.rows, args.zipf, seed)) + b"\n")
+    pools["batch"] = args.work / "bodies-batch.txt"
+    pools["batch"].write_bytes(json.dumps({"instances": zipf_instances(256, args.rows, args.zipf, 4)}).encode() + b"\n")
     results: dict = {}
     (args.work / "redis").mkdir(parents=True, exist_ok=True)
     server = RedisServer(args.work / "redis").start() if "redis" in args.servers else None
@@ -160,14 +158,14 @@ def main() -> None:
         if "file" in args.servers:
             root = args.work / f"store-{time.time_ns()}"
             results["file_publish_rows_per_s"] = publish_big(run, open_store(f"file://{root}"), args.rows, "big")
-            results["file"] = run_server("file", f"file://{root}", args, pools)
+            results["file"] = run_server("file", f"file://{root}", args, pools, loadgen)
             subprocess.run(["rm", "-rf", str(root)], check=False)
         if server is not None:
             admin = redis.Redis.from_url(server.url)
             before = admin.info("memory")["used_memory"]
             results["redis_publish_rows_per_s"] = publish_big(run, open_store(server.url), args.rows, "big")
             results["redis_bytes_per_row"] = (admin.info("memory")["used_memory"] - before) / (26 * args.rows)
-            results["redis"] = run_server("redis", server.url, args, pools)
+            results["redis"] = run_server("redis", server.url, args, pools, loadgen)
     finally:
         if server is not None:
             server.stop(save=False)
