@@ -93,15 +93,18 @@ class DynamicIds(BaseModel):
     (ties: least recent), ttl only rows unused for ttl_steps (none left: new ids wait)."""
     ttl_steps: int = Field(default=10_000, ge=1)
     """ttl: training lookups after which an unused id loses its row."""
-    shared_rows: float = Field(default=0.25, ge=0, lt=1)
+    shared_rows: float = Field(default=0.0, ge=0, lt=1)
     """Fraction of the table's rows kept as hashed shared rows: an id without a row of its own
     (not admitted yet, evicted, or unseen at evaluation and serving) reads and trains shared row
     hash(id) % S, S = max(1, int(shared_rows * rows)); 0: one shared row (row 0). The rest are
-    the capacity for admitted ids."""
-    start_from_shared: bool = True
+    the capacity for admitted ids. The default here is what a spec written before this field
+    existed means (published versions, checkpoints); configs set ``[embedding] shared_rows``,
+    0.25 unless said."""
+    start_from_shared: bool = False
     """An admitted id's fresh row starts as a copy of its shared row (what the id read until
     then); False: uniform(+-init bound) from a hash of (seed, table, id). Its optimizer state
-    starts fresh either way."""
+    starts fresh either way. The default is that of specs written before this field existed;
+    configs set ``[embedding] start_from_shared``, true unless said."""
 
 
 def shared_row_count(rows: int, cfg: DynamicIds) -> int:

@@ -25,7 +25,7 @@ def test_config_switches_every_table_and_overrides_per_table():
     spec = tiny_config(embedding={"ids": "dynamic", "admit_after": 3, "hash_size": 500,
                                   "tables": [{"name": "C2", "ids": "hashed"}, {"name": "C3", "evict": "lfu"}]}).feature_spec()
     by_name = {t.name: t for t in spec.tables}
-    assert by_name["C1"].dynamic == DynamicIds(admit_after=3, evict="lru")
+    assert by_name["C1"].dynamic == DynamicIds(admit_after=3, evict="lru", shared_rows=0.25, start_from_shared=True)
     assert by_name["C2"].dynamic is None and by_name["C2"].ids == "hashed"
     assert by_name["C3"].dynamic.evict == "lfu" and by_name["C3"].rows == 500  # capacity = rows
     assert all(t.dynamic is None for t in tiny_config().feature_spec().tables)  # default: hashed
@@ -86,7 +86,7 @@ def test_a_reused_row_gets_fresh_weights_and_optimizer_state():
 
 
 def test_an_admitted_id_starts_from_its_shared_row_and_unseen_ids_read_theirs():
-    shard = dynamic_shard(rows=40, admit_after=2)  # S = 10 shared rows, start_from_shared
+    shard = dynamic_shard(rows=40, admit_after=2, shared_rows=0.25, start_from_shared=True)  # S = 10
     ids = torch.tensor([[2**40 + 3, 2**40 + 3, 77]])  # [F=1, B=3]: the first seen twice
     shared = shared_rows_of(ids[0], 10)
     before = shard.table_weights()["t"].clone()
@@ -135,3 +135,14 @@ def test_live_updates_refuse_dynamic_tables(synth_small, tmp_path):
                       train={"max_steps": 2})
     with pytest.raises(ConfigError, match="live updates do not carry id maps"):
         Trainer(cfg, tmp_path / "run").fit([synth_small / "train.txt"], [synth_small / "test.txt"])
+
+
+def test_specs_before_shared_rows_keep_one_default_row_and_configs_get_shared_rows():
+    """A published version or checkpoint written before ``shared_rows`` existed keeps its meaning
+    (row 0 for every id without a row); a config asking for dynamic ids gets shared rows."""
+    old = TableSpec(name="t", rows=100, dim=4, dynamic=DynamicIds()).model_dump(mode="json")
+    del old["dynamic"]["shared_rows"], old["dynamic"]["start_from_shared"]
+    table = TableSpec.model_validate_json(json.dumps(old))
+    assert table.dynamic.shared_rows == 0 and not table.dynamic.start_from_shared and table.shared_row_count == 1
+    spec = tiny_config(embedding={"ids": "dynamic"}).feature_spec()
+    assert all(t.dynamic.shared_rows == 0.25 and t.dynamic.start_from_shared for t in spec.tables)

@@ -174,7 +174,7 @@ class TestDynamicIdMap:
         assert bool((admitted >= 10).all()) and m.stats()["rows_used"] == 15
 
     def test_state_round_trip_continues_identically(self):
-        cfg = DynamicIds(admit_after=2, evict="lfu")
+        cfg = DynamicIds(admit_after=2, evict="lfu", shared_rows=0.25, start_from_shared=True)
         stream = batches(1, 30, 200, 300)
         a = DynamicIdMap(128, cfg)
         for ids in stream[:15]:
@@ -190,7 +190,7 @@ class TestDynamicIdMap:
 def test_ten_million_distinct_ids_stay_within_capacity():
     """A stream of 10M distinct ids into a 100k-row table: rows used never pass the capacity and
     the process's memory stays flat (the map's tensors have fixed sizes)."""
-    m = DynamicIdMap(100_000, DynamicIds(admit_after=2))
+    m = DynamicIdMap(100_000, DynamicIds(admit_after=2, shared_rows=0.25))
     step, batch = 0, 200_000
     rss = []
     for start in range(0, 10_000_000, batch):
