@@ -106,6 +106,7 @@ def main() -> None:
         x["auc_minus_fp32"] = x["auc_file"] - fp32["auc_file"]
         x["max_prob_diff_vs_fp32"] = float(np.abs(x["scores"]["file"] - fp32["scores"]["file"]).max())
         x["file_equals_redis"] = float(np.abs(x["scores"]["file"] - x["scores"]["redis"]).max())
+    for x in results["dtypes"].values():
         del x["scores"]
     results["config"] = {"hash_size": args.hash_size, "test_rows": len(lines), "date": time.strftime("%Y-%m-%d %H:%M")}
     args.out.mkdir(parents=True, exist_ok=True)
