@@ -125,6 +125,8 @@ def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, batch
     n_features = len(model.feature_tables)
     if len(ids) != n_features * batch or batch > FEW or (model.mapped is None and model.cache is None):
         return None
+    if model.pooler is not None:  # int8 / int4 rows as stored are bytes, pooled by fbgemm
+        return None
     out = np.empty((batch, model.columns[-1]), dtype=np.float32)  # [B, sum D]
     columns = model.columns
     if model.mapped is not None:

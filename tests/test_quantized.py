@@ -94,6 +94,14 @@ def test_quantized_served_auc_close_to_fp32(trained_synth, synth_small, tmp_path
     store = open_store(redis_url)
     publish_checkpoint(trained_synth, store, version="int8", row_dtype="int8")
     np.testing.assert_allclose(served(redis_url, synth_small / "test.txt"), scores["int8"], atol=1e-6)
+    # single-instance requests, the second of each with every row cached, score as the batch did
+    lines = (synth_small / "test.txt").read_text().splitlines()[:3]
+    with TestClient(create_app(Settings(store=redis_url))) as client:
+        for _ in range(2):
+            for i, line in enumerate(lines):
+                r = client.post("/v1/models/dlrm:predict_tsv", content=line, headers={"content-type": "text/plain"})
+                assert r.status_code == 200, r.text
+                np.testing.assert_allclose(r.json()["predictions"], scores["int8"][i : i + 1], atol=1e-6)
     # read back and dequantized, the stored rows are the trained rows, nearly
     emb, _ = checkpoint_tables(trained_synth)
     got, present = store.get_rows("int8", "C3", np.arange(200))
