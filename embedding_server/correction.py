@@ -48,21 +48,64 @@ def applies(shard: EmbeddingShard) -> bool:
     return shard.kernel_name == "fbgemm" and not shard.id_maps
 
 
-def changed_bags(values: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """bool [B]: the bags (values [n], lengths [B]) that hold one of ``rows`` (int64 [k])."""
-    hit = torch.isin(values, rows)  # [n]
-    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)  # [n]: each value's bag
+class RowMarks:
+    """The rows one training lookup of a shard trains, as a bitmap over the shard's rows: one
+    bool per row of every piece, in the shard's row space (piece p's row r at ``starts[p] + r``),
+    so marking a lookup and testing the next one are a scatter and a gather over its ids (no sort,
+    no per-slot loop). Its memory is one byte per row (1/64 of a dim-16 fp32 table).
+
+    Args:
+        shard: the shard whose rows it marks.
+    """
+
+    def __init__(self, shard: EmbeddingShard) -> None:
+        rows = [t.spec.rows for t in shard.local_tables]
+        starts = torch.tensor([sum(rows[:p]) for p in range(len(rows))], dtype=torch.int64)
+        self.slot_start = starts[torch.tensor(shard.feature_map, dtype=torch.int64)]  # [S]
+        self.marked = torch.zeros(sum(rows), dtype=torch.bool)
+        self.keys: torch.Tensor | None = None  # the marked rows, in the shard's row space
+
+    def keys_of(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Row-space keys int64 [n] of a lookup's values [n] (slot-major) with lengths [S, B]."""
+        slot = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths.sum(1))  # [n]
+        return values + self.slot_start[slot]
+
+    def hits(self, keys: torch.Tensor) -> torch.Tensor:
+        """bool [n]: which of ``keys`` the marked lookup trains (none when nothing is marked)."""
+        if self.keys is None:
+            return torch.zeros(keys.numel(), dtype=torch.bool)
+        return self.marked.index_select(0, keys)
+
+    def remember(self, keys: torch.Tensor) -> None:
+        """Mark ``keys`` (this lookup's) instead of the previous lookup's."""
+        if self.keys is not None:
+            self.marked.index_fill_(0, self.keys, False)
+        self.marked.index_fill_(0, keys, True)
+        self.keys = keys
+
+
+def changed_bags(hit: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """bool [S, B]: the bags (lengths [S, B], values slot-major) that hold a value with ``hit``
+    (bool [n])."""
+    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.reshape(-1))  # [n]: each value's bag
     out = torch.zeros(lengths.numel(), dtype=torch.bool)
     out[bag[hit]] = True
-    return out
+    return out.view(lengths.shape)
 
 
-def relookup(shard: EmbeddingShard, values: list[torch.Tensor], lengths: list[torch.Tensor],
-             masks: list[torch.Tensor]) -> torch.Tensor:
-    """Pooled vectors [B, width] of the bags in ``masks`` (per slot, bool [B]); every other bag is
-    emptied (its row of the result is not to be used)."""
-    kept = [v[torch.repeat_interleave(m, n)] for v, n, m in zip(values, lengths, masks, strict=True)]
-    sub = SparseFeatures.from_lengths(torch.cat(kept), torch.stack([n * m for n, m in zip(lengths, masks, strict=True)]))
+def relookup(shard: EmbeddingShard, values: torch.Tensor, lengths: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """The pooled vectors of the bags in ``masks`` (bool [S, B]) of a lookup (values [n],
+    slot-major; lengths [S, B]), compacted: float [B', width] with B' the most bags changed in
+    any slot; slot j's changed bags, in example order, are rows [0, n_j) of its columns (the rest
+    of its rows are empty bags, not to be used). A sub-batch of B' examples, not B: the kernel
+    writes B' rows, not a whole batch's."""
+    counts = masks.sum(1)  # [S]
+    slot, bag = masks.nonzero(as_tuple=True)  # the changed bags, slot-major, example order
+    place = (torch.cumsum(masks, 1) - 1)[slot, bag]  # each one's row in the sub-batch
+    sub_lengths = torch.zeros(masks.shape[0], int(counts.max()) if counts.numel() else 0, dtype=lengths.dtype)
+    sub_lengths[slot, place] = lengths[slot, bag]  # [S, B']
+    keep = torch.repeat_interleave(masks.reshape(-1), lengths.reshape(-1))  # [n]: values of changed bags
+    sub = SparseFeatures.from_lengths(values[keep], sub_lengths)
     steps = [kernel.step for kernel in shard.kernels]
     with torch.no_grad():
         out = shard(sub)
@@ -87,23 +130,31 @@ def patch(block: torch.Tensor, message: torch.Tensor, dims: list[int]) -> int:
     return pos
 
 
-def correction_messages(masks: list[torch.Tensor], fresh: torch.Tensor | None, batches: list[int],
+def correction_messages(masks: torch.Tensor, fresh: torch.Tensor | None, batches: list[int],
                         dims: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Per trainer r, its correction message: per slot j its mask [B_r] and its recomputed
-    vectors [n, d_j], flat. masks: per slot, bool [sum B_r]; fresh: :func:`relookup`'s
-    [sum B_r, sum(dims)] (None: nothing changed)."""
+    vectors [n_rj, d_j], flat. masks: bool [S, sum B_r]; fresh: :func:`relookup`'s compacted
+    [B', sum(dims)] (None: nothing changed). Trainer r's bags of slot j are, among slot j's
+    changed bags, those after the earlier trainers' (examples are in trainer order)."""
     starts = [sum(batches[:r]) for r in range(len(batches) + 1)]
     cols = [sum(dims[:j]) for j in range(len(dims) + 1)]
+    per_trainer = torch.stack([masks[:, starts[r] : starts[r + 1]].sum(1) for r in range(len(batches))]) \
+        if batches else torch.zeros(0, len(dims), dtype=torch.int64)  # [T, S]
+    first = (torch.cumsum(per_trainer, 0) - per_trainer).tolist()  # [T][S]: rows before trainer r's
+    counts = per_trainer.tolist()
     out = []
     for r in range(len(batches)):
+        flags = masks[:, starts[r] : starts[r + 1]].to(dtype)  # [S, B_r]
+        if fresh is None or not any(counts[r]):
+            out.append(flags.reshape(-1))
+            continue
         parts = []
-        for j, m in enumerate(masks):
-            mine = m[starts[r] : starts[r + 1]]  # [B_r]
-            parts.append(mine.to(dtype))
-            if fresh is not None and bool(mine.any()):
-                rows = fresh[starts[r] : starts[r + 1], cols[j] : cols[j + 1]][mine]  # [n, d_j]
-                parts.append(rows.reshape(-1).to(dtype))
-        out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=dtype))
+        for j in range(len(dims)):
+            parts.append(flags[j])
+            if counts[r][j]:
+                a = first[r][j]
+                parts.append(fresh[a : a + counts[r][j], cols[j] : cols[j + 1]].reshape(-1).to(dtype))
+        out.append(torch.cat(parts))
     return out
 
 
@@ -137,37 +188,31 @@ class Corrector:
             timings.setdefault(key, 0.0)
         self.early = [applies(s) for s in shards]
         """Per chunk: whether its lookup runs before the pending update."""
-        self._last: list[Ids | None] = [None] * len(shards)  # per chunk: ids of the last training lookup
+        self._marks = [RowMarks(s) if e else None for s, e in zip(shards, self.early, strict=True)]
+        """Per early chunk: the rows its last training lookup trains (the pending update's)."""
         self._sent: list[Pending] = []
-
-    def touched(self, k: int) -> list[torch.Tensor]:
-        """Per piece of chunk k's shard: the rows (int64, unique) the last training lookup trains."""
-        shard, last = self.shards[k], self._last[k]
-        per_piece: list[list[torch.Tensor]] = [[] for _ in shard.local_tables]
-        for j, piece in enumerate(shard.feature_map):
-            per_piece[piece].extend(ids[j][0] for ids in last)
-        return [torch.unique(torch.cat(v)) if v else torch.zeros(0, dtype=torch.int64) for v in per_piece]
 
     def send(self, k: int, stale: bool, per_trainer: Ids, batches: list[int]) -> None:
         """Chunk k's correction of this lookup to every trainer. ``stale``: its lookup ran before
-        the update just applied (the last lookup's); then remember this lookup's ids."""
+        the update just applied (the last lookup's); then remember this lookup's rows."""
         t0 = time.perf_counter()
-        shard, slots = self.shards[k], range(len(self.dims[k]))
-        values = [torch.cat([ids[j][0] for ids in per_trainer]) for j in slots]  # per slot [n_j]
-        lengths = [torch.cat([ids[j][1] for ids in per_trainer]) for j in slots]  # per slot [sum B_r]
-        if stale and self.early[k] and self._last[k] is not None:
-            rows = self.touched(k)
-            masks = [changed_bags(v, n, rows[shard.feature_map[j]]) for j, (v, n) in enumerate(zip(values, lengths,
-                                                                                                   strict=True))]
+        shard, slots, marks = self.shards[k], range(len(self.dims[k])), self._marks[k]
+        values = torch.cat([ids[j][0] for j in slots for ids in per_trainer])  # [n], slot-major
+        lengths = torch.stack([torch.cat([ids[j][1] for ids in per_trainer]) for j in slots])  # [S, sum B_r]
+        keys = marks.keys_of(values, lengths) if marks is not None else None
+        if stale and keys is not None:
+            masks = changed_bags(marks.hits(keys), lengths)  # [S, sum B_r]
         else:
-            masks = [torch.zeros(sum(batches), dtype=torch.bool) for _ in slots]
-        fresh = relookup(shard, values, lengths, masks) if any(bool(m.any()) for m in masks) else None
+            masks = torch.zeros(lengths.shape, dtype=torch.bool)
+        changed = int(masks.sum())
+        fresh = relookup(shard, values, lengths, masks) if changed else None
         messages = correction_messages(masks, fresh, batches, self.dims[k], self.wire_dtype)
         self._drain()
         self._sent.append(self.transport.send_floats(self.trainers, messages, CORRECT))
-        self._last[k] = per_trainer
-        self.timings["corrected_bags"] += float(sum(int(m.sum()) for m in masks))
-        self.timings["bags"] += float(sum(batches) * len(masks))
+        if keys is not None:
+            marks.remember(keys)
+        self.timings["corrected_bags"] += float(changed)
+        self.timings["bags"] += float(masks.numel())
         self.timings["correct_s"] += time.perf_counter() - t0
 
     def _drain(self) -> None:

@@ -8,6 +8,7 @@ from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
 from embedding_server.correction import (
     applies,
+    RowMarks,
     changed_bags,
     correction_messages,
     message_capacity,
@@ -23,10 +24,25 @@ FEATURE_MAP = [0, 1, 1, 2]  # features 1 and 2 share a table
 
 
 def test_changed_bags_marks_bags_holding_a_touched_row():
-    values = torch.tensor([3, 5, 7, 1, 9])
-    lengths = torch.tensor([2, 0, 1, 2])  # bags {3,5} {} {7} {1,9}
-    assert changed_bags(values, lengths, torch.tensor([5, 9])).tolist() == [True, False, False, True]
-    assert not changed_bags(values, lengths, torch.zeros(0, dtype=torch.int64)).any()
+    lengths = torch.tensor([[2, 0, 1, 2]])  # one slot, bags {3,5} {} {7} {1,9}
+    hit = torch.tensor([False, True, False, False, True])  # 5 and 9 were trained
+    assert changed_bags(hit, lengths).tolist() == [[True, False, False, True]]
+    assert not changed_bags(torch.zeros(5, dtype=torch.bool), lengths).any()
+
+
+def test_row_marks_keep_the_last_lookup_only_and_separate_pieces():
+    tables = [LocalTable(TableSpec(name=f"T{i}", rows=r, dim=d), i) for i, (r, d) in enumerate(zip(ROWS, DIMS,
+                                                                                                   strict=True))]
+    marks = RowMarks(EmbeddingShard(tables, SparseOptimizerConfig(), feature_map=FEATURE_MAP))
+    lengths = torch.tensor([[1], [1], [1], [1]])  # 4 slots, one bag each; slots 1 and 2 read table 1
+    first = marks.keys_of(torch.tensor([3, 7, 8, 2]), lengths)
+    assert not marks.hits(first).any()  # nothing marked yet
+    marks.remember(first)
+    # row 3 of table 0 and row 8 of table 1 (read by slot 1 now) were trained; row 4 of table 2 was not
+    second = marks.keys_of(torch.tensor([3, 8, 5, 4]), lengths)
+    assert marks.hits(second).tolist() == [True, True, False, False]
+    marks.remember(second)
+    assert marks.hits(first).tolist() == [True, False, True, False]  # only the second lookup's rows
 
 
 def test_patch_reads_mask_then_vectors_per_slot():
@@ -70,12 +86,13 @@ def test_early_lookup_patched_equals_lookup_after_the_update(pooling):
     early_next = early(sparse(*nxt))  # the graph batch i+1's backward runs through
     stale = early_next.detach().clone()
     pooled_prev.backward(grad)
-    touched = [torch.unique(torch.cat([v for v, t in zip(prev[0], FEATURE_MAP, strict=True) if t == p]))
-               for p in range(len(ROWS))]
-    masks = [changed_bags(v, n, touched[t]) for v, n, t in zip(*nxt, FEATURE_MAP, strict=True)]
-    assert all(m.any() for m in masks) and not all(m.all() for m in masks)
+    marks = RowMarks(early)
+    marks.remember(marks.keys_of(torch.cat(prev[0]), torch.stack(prev[1])))
+    values, lengths = torch.cat(nxt[0]), torch.stack(nxt[1])
+    masks = changed_bags(marks.hits(marks.keys_of(values, lengths)), lengths)  # [S, B]
+    assert masks.any(1).all() and not masks.all(1).any()
     assert not torch.equal(stale, want.detach())  # the early lookup is stale where bags changed
-    fresh = relookup(early, *nxt, masks)
+    fresh = relookup(early, values, lengths, masks)
     batches = [40, 24]  # two trainers' examples
     got = []
     for part, msg in zip(torch.split(stale, batches), correction_messages(masks, fresh, batches, dims,
