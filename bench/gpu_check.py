@@ -2,10 +2,13 @@
 
     (1) one process: tables in host memory (fbgemm CPU TBE, or the PyTorch kernel where fbgemm
         is absent), dense network on the GPU
-    (2) one CPU embedding server + one CUDA trainer over Gloo (the disaggregated layout)
+    (2) E1,T1: one CPU embedding server + one CUDA trainer over Gloo (the disaggregated layout),
+        lockstep (``--pipeline off``), ``exact`` and ``semi-sync``
+    (3) E2,T1: two CPU embedding servers + one CUDA trainer, ``exact``
 
-Prints samples/s and the step-time breakdown of each. Without CUDA it runs on the CPU and says
-so (that is how it is tested). Run through bench/gpu_check.sh.
+Prints samples/s and the step-time breakdown of each and writes gpu.{json,md} to --out. Without
+CUDA it runs on the CPU and says so (that is how it is tested: tests/test_gpu_check.py). Run
+through bench/gpu_check.sh.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def describe() -> dict:
     return info
 
 
-def timed(trainer, steps: int, warmup: int, share=None) -> list[float]:
+def timed(trainer, steps: int, warmup: int, share=None, ahead: bool = False) -> list[float]:
+    """Step times; ``ahead``: each step is given the next batch's ids (pipelined runs)."""
     data = dt.batches(8)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
@@ -48,8 +52,9 @@ def timed(trainer, steps: int, warmup: int, share=None) -> list[float]:
         if share is not None:
             b = b.share(*share)
         sync()
+        nxt = data[(i + 1) % len(data)].sparse if ahead and i + 1 < warmup + steps else None
         t0 = time.perf_counter()
-        trainer.train_step(b, dt.GLOBAL_BATCH)
+        trainer.train_step(b, dt.GLOBAL_BATCH, nxt)
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
@@ -72,7 +77,9 @@ def summary(times, timings, steps, device, kernel) -> dict:
             "breakdown_ms": {k.removesuffix("_s"): 1e3 * v / steps for k, v in timings.items()}}
 
 
-def disaggregated_rank(rank: int, port: int, steps: int, warmup: int, out: str) -> None:
+def disaggregated_rank(rank: int, servers: int, pipeline: str, rows: int, port: int, steps: int, warmup: int,
+                       out: str) -> None:
+    """Rank 0: the trainer (CUDA when there is one); ranks 1..servers: CPU embedding servers."""
     import torch.distributed as dist
 
     from dense_trainer.distributed import rank_threads
@@ -84,18 +91,19 @@ def disaggregated_rank(rank: int, port: int, steps: int, warmup: int, out: str) 
     from embedding_server.transport import open_transport
     from embedding_server.wire import ids_dtype
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
-    roles = Roles(1, 1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(1 + servers))
+    dt.ROWS = rows  # a spawned process starts from the module's default
+    roles = Roles(1, servers)
     cluster = join(roles, 300, rank)
     torch.set_num_threads(rank_threads(roles, rank))
-    cfg = dt.bench_config(1, 1)
+    cfg = dt.bench_config(servers, 1, pipeline=pipeline)
     spec = cfg.feature_spec()
-    plan = plan_sharding(spec, 1, "rowwise_adagrad", "auto")
+    plan = plan_sharding(spec, servers, "rowwise_adagrad", "auto")
     cluster.transport = open_transport(cluster, ids_dtype(dt.ROWS))
     if rank == 0:
-        client = DistributedEmbeddingClient(cluster, plan, spec)
+        client = DistributedEmbeddingClient(cluster, plan, spec, corrected=pipeline == "exact")
         trainer = Trainer(cfg, Path(tempfile.mkdtemp()), client=client, cluster=cluster)
-        times = timed(trainer, steps, warmup)
+        times = timed(trainer, steps, warmup, ahead=pipeline != "off")
         client.close()
         result = summary(times, trainer.timings, steps, str(trainer.device), client.kernel)
         result["communication_ms"] = 1e3 * client.stats["comm_s"] / (steps + warmup)
@@ -103,10 +111,39 @@ def disaggregated_rank(rank: int, port: int, steps: int, warmup: int, out: str) 
     else:
         server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp()))
         server.serve()
-        result = None
     dist.barrier()
     cluster.heartbeat.close()  # not inside a store call when the process ends
     dist.destroy_process_group()
+
+
+def disaggregated(servers: int, pipeline: str, steps: int, warmup: int) -> dict:
+    from dense_trainer.distributed import free_port
+
+    out = Path(tempfile.mkdtemp()) / "r.json"
+    mp.start_processes(disaggregated_rank, args=(servers, pipeline, dt.ROWS, free_port(), steps, warmup, str(out)),
+                       nprocs=1 + servers, start_method="spawn", join=True)
+    return json.loads(out.read_text())
+
+
+LAYOUTS = [("E1,T1 lockstep", 1, "off"), ("E1,T1 exact", 1, "exact"), ("E1,T1 semi-sync", 1, "semi-sync"),
+           ("E2,T1 exact", 2, "exact")]
+"""(name, CPU embedding servers, pipeline) of the disaggregated runs, beside the single process."""
+
+
+def render(info: dict, rows: dict[str, dict], seconds: float) -> str:
+    lines = [f"GPU check ({time.strftime('%Y-%m-%d %H:%M')}): {json.dumps(info)}; 26 tables x {dt.ROWS:,} rows, "
+             f"dim {dt.tt.DIM}, batch {dt.GLOBAL_BATCH}; servers on the CPU, the trainer on "
+             f"{'CUDA' if info['cuda'] else 'the CPU (no CUDA device)'}; {seconds:.0f} s in all", "",
+             "| layout | device | samples/s | vs single | step ms | embedding fwd ms | dense fwd ms | backward ms "
+             "| optimizer ms | communication ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = rows["single process"]["samples_per_s"]
+    for name, r in rows.items():
+        b = r["breakdown_ms"]
+        comm = f"{r['communication_ms']:.1f}" if "communication_ms" in r else "-"
+        lines.append(f"| {name} | {r['device']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / base:.2f}x | "
+                     f"{r['median_step_ms']:.1f} | {b['embedding_forward']:.1f} | {b['dense_forward']:.1f} | "
+                     f"{b['backward']:.1f} | {b['optimizer']:.1f} | {comm} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -114,6 +151,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--out", type=Path, default=HERE / "results", help="where gpu.json and gpu.md go")
     args = p.parse_args()
     dt.ROWS = args.rows
     info = describe()
@@ -121,22 +159,17 @@ def main() -> None:
     if not info["cuda"]:
         print("no CUDA device: running the same check on the CPU", flush=True)
     t0 = time.time()
-    one = single(args.steps, args.warmup)
-    print("single process:", json.dumps(one), flush=True)
-    from dense_trainer.distributed import free_port
-
-    out = Path(tempfile.mkdtemp()) / "r.json"
-    mp.start_processes(disaggregated_rank, args=(free_port(), args.steps, args.warmup, str(out)), nprocs=2,
-                       start_method="spawn", join=True)
-    two = json.loads(out.read_text())
-    print("1 CPU embedding server + 1 trainer:", json.dumps(two), flush=True)
-    print("\n| layout | device | samples/s | step ms | embedding fwd ms | dense fwd ms | backward ms | optimizer ms |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for name, r in [("single process", one), ("E1,T1", two)]:
-        b = r["breakdown_ms"]
-        print(f"| {name} | {r['device']} | {r['samples_per_s']:,.0f} | {r['median_step_ms']:.1f} | "
-              f"{b['embedding_forward']:.1f} | {b['dense_forward']:.1f} | {b['backward']:.1f} | {b['optimizer']:.1f} |")
-    print(f"\ntotal {time.time() - t0:.0f} s")
+    rows = {"single process": single(args.steps, args.warmup)}
+    print("single process:", json.dumps(rows["single process"]), flush=True)
+    for name, servers, pipeline in LAYOUTS:
+        rows[name] = disaggregated(servers, pipeline, args.steps, args.warmup)
+        print(f"{name}:", json.dumps(rows[name]), flush=True)
+    seconds = time.time() - t0
+    md = render(info, rows, seconds)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu.json").write_text(json.dumps({"environment": info, "results": rows, "seconds": seconds}, indent=2) + "\n")
+    (args.out / "gpu.md").write_text(md)
+    print("\n" + md)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.7.0 typing-inspection==0.4.2
 # and name .whl in the call's carry. Without fbgemm the CPU tables use the PyTorch kernel (said
-# in the output). Bounded: at most 9 minutes.
+# in the output). Bounded: at most 9 minutes. Writes gpu.{json,md} to --out (default
+# bench/results; on the device machine pass --out "$OUT" so they come back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -63,6 +63,9 @@ class Costs:
     """Seconds per point-to-point message (latency and overhead)."""
     loopback_bytes_per_s: float
     """Bytes per second of one loopback Gloo stream."""
+    transfer_cpu_s_per_byte: float = 0.0
+    """CPU seconds each side (sender, receiver) spends per byte sent over Gloo (copies, system
+    calls, Gloo's threads): what the exchange costs the cores it shares with the compute."""
 
 
 def _median_time(fn, reps: int = 7) -> float:
@@ -118,8 +121,8 @@ def measure() -> Costs:
 
     sp = _median_time(sparse_step)
     client = _median_time(lambda: _client_work(sparse, spec))
-    message_s, bw = _loopback()
-    return Costs(one / b, one / two, sp / b, client / b, message_s, bw)
+    message_s, bw, cpu_per_byte = _loopback()
+    return Costs(one / b, one / two, sp / b, client / b, message_s, bw, cpu_per_byte)
 
 
 def _client_work(sparse, spec) -> None:
@@ -148,7 +151,7 @@ def _pingpong(rank: int, port: int, out: str) -> None:
         t = torch.zeros(n // 4 or 1)
         reps = 50 if n == 1 else 10
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(reps):
             if rank == 0:
                 dist.send(t, 1)
@@ -157,21 +160,24 @@ def _pingpong(rank: int, port: int, out: str) -> None:
                 dist.recv(t, 0)
                 dist.send(t, 0)
         results[n] = (time.perf_counter() - t0) / (2 * reps)
+        results[f"cpu{n}"] = (time.process_time() - c0) / (2 * reps)  # this rank's CPU per message
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def _loopback() -> tuple[float, float]:
+def _loopback() -> tuple[float, float, float]:
+    """(seconds per message, bytes per second, CPU seconds per byte on each side) over loopback."""
     import torch.multiprocessing as mp
 
     from dense_trainer.distributed import free_port
 
     out = Path(tempfile.mkdtemp()) / "pp.json"
     mp.start_processes(_pingpong, args=(free_port(), str(out)), nprocs=2, start_method="spawn", join=True)
-    r = {int(k): v for k, v in json.loads(out.read_text()).items()}
-    small, big = r[1], r[4 << 20]
-    return small, (4 << 20) / max(big - small, 1e-9)
+    r = json.loads(out.read_text())
+    small, big = r["1"], r[str(4 << 20)]
+    cpu = max(r[f"cpu{4 << 20}"] - r["cpu1"], 0.0) / (4 << 20)
+    return small, (4 << 20) / max(big - small, 1e-9), cpu
 
 
 # -- the model ------------------------------------------------------------------------------------------
@@ -217,8 +223,11 @@ def step_seconds(c: Costs, lay: Layout, mode: str, batch: int) -> tuple[float, s
         step = w_t + w_s + max(x_in, x_out) + min(x_in, x_out) / lay.chunks
     else:
         step = max(w_t, w_s + x_in / lay.chunks, max(x_in, x_out))
-    if lay.shared:  # every rank on the same cores: their work adds up
-        cpu = (lay.trainers * (w_t if not lay.dense_samples_per_s else bt * c.client_s) + lay.servers * w_s)
+    if lay.shared:  # every rank on the same cores: their CPU time adds up
+        threads = lay.trainer_threads if not lay.dense_samples_per_s else 0
+        dense_cpu = dense * threads if threads >= 2 else (dense if threads else 0.0)  # a 2-thread step holds 2 cores
+        moved = batch * sum(BYTES.values()) * 2  # every byte is copied out by its sender and in by its receiver
+        cpu = lay.trainers * (dense_cpu + bt * c.client_s) + lay.servers * w_s + moved * c.transfer_cpu_s_per_byte
         cpu /= lay.cores_per_host * lay.trainer_hosts
         parts["shared CPU cores"] = cpu
         step = max(step, cpu)
@@ -316,7 +325,8 @@ def render(r: dict) -> str:
     lines = [f"Scaling model ({r['date']}). Measured components: dense {1e6 * c['dense_s']:.1f} µs/sample "
              f"(x{c['dense_speedup_2']:.2f} on 2 threads), server lookup + update {1e6 * c['sparse_s']:.2f} µs/sample, "
              f"trainer routing and assembly {1e6 * c['client_s']:.2f} µs/sample, messages {1e6 * c['message_s']:.0f} µs "
-             f"and {c['loopback_bytes_per_s'] / 1e9:.2f} GB/s over loopback.", "",
+             f"and {c['loopback_bytes_per_s'] / 1e9:.2f} GB/s over loopback, "
+             f"{1e9 * c.get('transfer_cpu_s_per_byte', 0.0):.2f} ns of CPU per byte on each side.", "",
              "| configuration | predicted samples/s | measured | error | bottleneck |", "|---|---:|---:|---:|---|"]
     for row in r["checks"]:
         lines.append(f"| {row['config']} | {row['predicted']:,.0f} | {row['measured']:,.0f} | {100 * row['error']:+.0f}% | "
