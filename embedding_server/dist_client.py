@@ -88,6 +88,30 @@ class FlatStage:
         rounds = max((len(w) for w in self.chunk_widths), default=0)
         # Message order: chunk 0 of every server, then chunk 1 ... (each server's chunks in order).
         self.order = [(s, k) for k in range(rounds) for s in range(num_servers) if k < len(self.chunk_widths[s])]
+        self.runs = self._column_runs(spec, chunks)
+        """Table-wise plans only (else None): per message (in order), the runs [a, b) of dense-input
+        columns its slots fill, in slot order; pooled vectors and gradients move as column
+        blocks, without per-feature pieces (one copy at most, none when a message is the whole
+        input)."""
+
+    def _column_runs(self, spec: FeatureSpec, chunks: int) -> list[list[tuple[int, int]]] | None:
+        if not all(len(p) == 1 and p[0].kind == "table_wise" for p in self.feature_pieces):
+            return None
+        dims = [spec.tables[t].dim for t in spec.feature_tables]
+        start = [sum(dims[:f]) for f in range(len(dims))]
+        runs = []
+        for s, k in self.order:
+            sizes = [len(d) for d in self.chunk_dims[s]]
+            slots = self.server_slots[s][sum(sizes[:k]) : sum(sizes[: k + 1])]
+            mine: list[tuple[int, int]] = []
+            for f, piece in slots:
+                a, b = start[f], start[f] + piece.dim
+                if mine and mine[-1][1] == a:
+                    mine[-1] = (mine[-1][0], b)
+                else:
+                    mine.append((a, b))
+            runs.append(mine)
+        return runs
 
     def output_dims(self, flat_dims: list[int]) -> list[int]:
         return flat_dims
@@ -106,6 +130,8 @@ class FlatStage:
                    for (s, k), msg, fix in zip(self.order, received, fixes, strict=True))
 
     def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+        if self.runs is not None:
+            return self._assemble_columns(received, b)
         blocks: list[list[torch.Tensor]] = [[None] * len(w) for w in self.chunk_widths]
         for (s, k), msg in zip(self.order, received, strict=True):
             blocks[s][k] = msg.view(b, self.chunk_widths[s][k])
@@ -122,7 +148,24 @@ class FlatStage:
             feats.append(SCHEMES[pieces[0].kind].combine([slot_out[(f, id(p))] for p in pieces], bag_lengths[f], table))
         return torch.cat(feats, dim=1)
 
+    def _assemble_columns(self, received: list[torch.Tensor], b: int) -> torch.Tensor:
+        """Table-wise: each message's columns into place; [B, W]."""
+        width = sum(self.widths)
+        if len(received) == 1 and self.runs[0] == [(0, width)]:
+            return received[0].view(b, width)  # the message is the input (a fresh receive buffer)
+        out = torch.empty(b, width, dtype=received[0].dtype if received else torch.float32)
+        for (s, k), msg, runs in zip(self.order, received, self.runs, strict=True):
+            block, col = msg.view(b, self.chunk_widths[s][k]), 0
+            for a, e in runs:
+                out[:, a:e] = block[:, col : col + e - a]
+                col += e - a
+        return out
+
     def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        if self.runs is not None:  # table-wise: each message's columns, flat (a view when they are all of it)
+            return [(s, (grad[:, runs[0][0] : runs[0][1]] if len(runs) == 1 else
+                         torch.cat([grad[:, a:e] for a, e in runs], dim=1)).reshape(-1))
+                    for (s, _), runs in zip(self.order, self.runs, strict=True)]
         per_slot = {}
         col = 0
         for f, pieces in enumerate(self.feature_pieces):
@@ -286,12 +329,21 @@ class DistributedEmbeddingClient(EmbeddingClient):
         return pooled.pin_memory().to(self.device, non_blocking=True)
 
     def _send_grads(self, grad: torch.Tensor, inflight: _InFlight) -> None:
-        parts = self.stage.split_grad(grad * self.grad_scale, inflight.batch, inflight.bag_lengths)
-        tensors = [t.to(self.wire_dtype) for _, t in parts]
+        parts = self.stage.split_grad(grad, inflight.batch, inflight.bag_lengths)
+        tensors = [self._scaled(t, grad).to(self.wire_dtype) for _, t in parts]
         t0 = time.perf_counter()
         self._sends.append(self.transport.send_floats([self.servers[s] for s, _ in parts], tensors, GRADS))
         self._stats["comm_s"] += time.perf_counter() - t0
         self._stats["bytes_out"] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def _scaled(self, part: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """``part`` of ``grad`` times the gradient scale (elementwise, so scaling the part is
+        scaling the whole, bit for bit): in place when the part is already a copy."""
+        if self.grad_scale == 1.0:
+            return part
+        if part.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr():
+            return part * self.grad_scale
+        return part.mul_(self.grad_scale)
 
     def _drain_sends(self) -> None:
         while self._sends:
