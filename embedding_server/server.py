@@ -104,7 +104,7 @@ class FlatStage:
             t2 = time.perf_counter()
             total = sum(batches)
             if total > 0 and pooled.requires_grad and pooled.grad_fn is not None:
-                g = torch.cat(received).view(total, width).to(pooled.dtype)
+                g = (received[0] if len(received) == 1 else torch.cat(received)).view(total, width).to(pooled.dtype)
                 pooled.backward(g)  # fused optimizer step
             s.timings["update_s"] += time.perf_counter() - t2
 
