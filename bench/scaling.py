@@ -2,23 +2,31 @@
 servers), predicted from measured component costs, checked against every configuration the
 other benches measured on this machine, and extrapolated to a data-centre layout.
 
-Components, measured here (``--measure``; one thread each unless said):
+Components, measured here (``--measure``; one thread each unless said; the fastest of 9 runs,
+the least disturbed by the machine's other tenants):
 
     dense       the trainer's dense forward + backward + Adam, per sample (1 and 2 threads)
-    sparse      an embedding server's fused lookup + row-wise Adagrad update, per sample
-    client      the trainer's routing of ids and assembly of pooled vectors, per sample
-    link        point-to-point message cost over loopback (Gloo): per message and per byte
+    lookup      an embedding server's fused lookup of the 26 tables, per sample
+    update      its fused row-wise Adagrad update (fbgemm's backward), per sample
+    correct     a corrected lookup's extra work (``exact``: changed bags, re-lookup, messages)
+    client      the trainer's routing and packing of ids, assembly and gradient split, per sample
+    link        point-to-point messages over loopback (Gloo): latency, CPU per message, bytes
+                per second, and CPU per byte on each side
 
-The model of one step of global batch B (bytes per sample from the analytical minimum):
+The model of one step of global batch B over T trainers and E servers (bytes per sample at the
+analytical minimum; x_in / x_out: the busiest host link's pooled / gradient bytes over its
+rate, plus a latency):
 
-    trainer work   W_t = B/T * (dense / speedup(threads) + client)
-    server work    W_s = B/E * sparse
-    transfers      X_in = B/T * pooled bytes / link, X_out = B/T * (ids + grads) / link
-                   (a link per host: the bytes of every rank on it; plus per-message costs)
-    lockstep       step = W_t + W_s + X_in + X_out
-    exact          step = W_t + W_s + max(X_in, X_out) + min(X_in, X_out) / chunks
-    semi-sync      step = max(W_t, W_s + X_in / chunks, max(X_in, X_out))
-    shared cores   step >= (work of every rank on a host) / its cores (the 2-core machine)
+    trainer work   W_t = B/T * (dense / speedup(threads) + client) + messages * CPU per message
+    server work    lookup, update, correct: B/E per server (per server thread)
+    lockstep       W_t + lookup + update + x_in + x_out
+    exact          max(W_t + overlap(x_out, update + correct) + latency, lookup + x_in)
+    semi-sync      max(W_t, lookup + update + x_in / chunks, x_in, x_out)
+    shared cores   step >= the CPU time of every rank on the machine / its cores, a 2-thread
+                   dense step holding 2 cores, every byte exchanged costing its sender and its
+                   receiver (the 2-core machine, its network namespaces included)
+
+overlap(a, b) = max(a, b) + min(a, b) / chunks (a chunk's update starts when its gradients are in).
 
 Usage: python bench/scaling.py [--measure] [--gpu-dense-samples-per-s 5e6]. Reads
 bench/results/{distributed_throughput,pipeline}.json, writes bench/results/scaling.{json,md}.
@@ -29,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -52,93 +59,176 @@ BYTES = {"ids": 4 * F, "pooled": 4 * F * D, "grads": 4 * F * D}
 @dataclass
 class Costs:
     dense_s: float
-    """Seconds per sample of the dense step, one thread."""
+    """Seconds per sample of the dense step (forward, backward, Adam), one thread."""
     dense_speedup_2: float
     """Speed-up of the dense step on two threads."""
-    sparse_s: float
-    """Seconds per sample of a server's lookup + update, one thread."""
+    dense_pair_s: float
+    """Seconds per sample of the one-thread dense step while another process runs it on the other
+    core (two trainers on this machine)."""
+    lookup_s: float
+    """Seconds per sample of a server's fused lookup of all 26 tables, one thread."""
+    update_s: float
+    """Seconds per sample of a server's fused row-wise Adagrad update (fbgemm's backward), one thread."""
+    correct_s: float
+    """Seconds per sample of a corrected lookup's extra work (changed bags, re-lookup, messages)."""
     client_s: float
-    """Seconds per sample of the trainer's routing and assembly."""
-    message_s: float
-    """Seconds per point-to-point message (latency and overhead)."""
+    """Seconds per sample of the trainer's routing, packing, assembly and gradient split."""
+    latency_s: float
+    """One-way latency of a small point-to-point message (Gloo, loopback)."""
+    message_cpu_s: float
+    """Seconds a rank spends per small message posted in a burst (posting, completing)."""
     loopback_bytes_per_s: float
     """Bytes per second of one loopback Gloo stream."""
-    transfer_cpu_s_per_byte: float = 0.0
+    transfer_cpu_s_per_byte: float
     """CPU seconds each side (sender, receiver) spends per byte sent over Gloo (copies, system
     calls, Gloo's threads): what the exchange costs the cores it shares with the compute."""
 
 
-def _median_time(fn, reps: int = 7) -> float:
+def _least_time(fn, reps: int = 9) -> float:
+    """The fastest of ``reps`` runs (after one warm-up): the least disturbed by other tenants of
+    this shared machine, so the model sees the work, not the neighbours."""
     fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
+
+
+def _dense_step(b: int):
+    """The trainer's dense step on a batch of ``b`` (the bench workload's model and optimizer)."""
+    import distributed_throughput as dt
+
+    from dense_trainer.model import build_dense_model
+    from embedding_server.optimizers import DenseOptimizerConfig, build_dense_optimizer
+
+    cfg = dt.bench_config(0, 1)
+    (dense_np, _, y_np), = tt.make_batches(dt.ROWS, "uniform", 1)
+    dense, y = torch.from_numpy(dense_np[:b]), torch.from_numpy(y_np[:b])
+    model = build_dense_model(cfg.model, tt.NUM_DENSE, [D] * F, D)
+    opt = build_dense_optimizer(DenseOptimizerConfig(lr=tt.DENSE_LR), model.parameters())
+    emb = torch.randn(b, F * D, requires_grad=True)
+
+    def step() -> None:
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, emb), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def _dense_twin(rank: int, port: int, b: int, out: str) -> None:
+    """One of two processes running the one-thread dense step at the same moments."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    step = _dense_step(b)
+    step()
+    times = []
+    for _ in range(9):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(min(times)))
+    dist.destroy_process_group()
+
+
+def _dense_pair_s(b: int) -> float:
+    """Seconds per sample of the one-thread dense step while a second process runs it beside it
+    (two trainers sharing this machine's two cores: caches and memory bandwidth shared)."""
+    import torch.multiprocessing as mp
+
+    from dense_trainer.distributed import free_port
+
+    out = Path(tempfile.mkdtemp()) / "pair.json"
+    mp.start_processes(_dense_twin, args=(free_port(), b, str(out)), nprocs=2, start_method="spawn", join=True)
+    return json.loads(out.read_text()) / b
 
 
 def measure() -> Costs:
     """Measure the components on this machine (a few seconds each)."""
     import distributed_throughput as dt
 
-    from dense_trainer.model import build_dense_model
     from dlrm_core.batch import SparseFeatures
     from dlrm_core.schema import criteo_spec
     from embedding_server.local_table import LocalTable
-    from embedding_server.optimizers import (
-        DenseOptimizerConfig,
-        SparseOptimizerConfig,
-        build_dense_optimizer,
-    )
+    from embedding_server.optimizers import SparseOptimizerConfig
     from embedding_server.shard import EmbeddingShard
 
     b = dt.GLOBAL_BATCH
-    cfg = dt.bench_config(0, 1)
-    (dense_np, ids_np, y_np), = tt.make_batches(dt.ROWS, "uniform", 1)
-    dense, ids, y = torch.from_numpy(dense_np), torch.from_numpy(ids_np), torch.from_numpy(y_np)
-    model = build_dense_model(cfg.model, tt.NUM_DENSE, [D] * F, D)
-    opt = build_dense_optimizer(DenseOptimizerConfig(lr=tt.DENSE_LR), model.parameters())
-    emb = torch.randn(b, F * D, requires_grad=True)
-
-    def dense_step() -> None:
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, emb), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
+    (_, ids_np, _), (_, ids2_np, _) = tt.make_batches(dt.ROWS, "uniform", 2)
+    ids = torch.from_numpy(ids_np)
+    dense_step = _dense_step(b)
     torch.set_num_threads(1)
-    one = _median_time(dense_step)
+    one = _least_time(dense_step)
     torch.set_num_threads(2)
-    two = _median_time(dense_step)
+    two = _least_time(dense_step)
     torch.set_num_threads(1)
+    pair = _dense_pair_s(b // 2)
     spec = criteo_spec([dt.ROWS] * F, [D] * F)
     shard = EmbeddingShard([LocalTable(t, i) for i, t in enumerate(spec.tables)], SparseOptimizerConfig(lr=tt.SPARSE_LR))
     sparse = SparseFeatures.one_hot(ids)
+    ones = torch.ones(b, F * D)
+    lookup = _least_time(lambda: shard(sparse))
+    both = _least_time(lambda: shard(sparse).backward(ones))
+    correct = _least_time(_correction_work(shard, ids, torch.from_numpy(ids2_np)))
+    client = _least_time(_client_work(sparse, spec))
+    latency, message_cpu, bw, cpu_per_byte = _loopback()
+    return Costs(one / b, one / two, pair, lookup / b, max(both - lookup, 0.0) / b, correct / b, client / b, latency,
+                 message_cpu, bw, cpu_per_byte)
 
-    def sparse_step() -> None:
-        shard(sparse).backward(torch.ones(b, F * D))
 
-    sp = _median_time(sparse_step)
-    client = _median_time(lambda: _client_work(sparse, spec))
-    message_s, bw, cpu_per_byte = _loopback()
-    return Costs(one / b, one / two, sp / b, client / b, message_s, bw, cpu_per_byte)
+def _correction_work(shard, ids: torch.Tensor, nxt: torch.Tensor):
+    """A corrected lookup's extra work for batch ``nxt`` after batch ``ids`` (ids [F, B])."""
+    from embedding_server.correction import Corrector
+
+    class Discard:  # the messages' sending is the link's cost, counted there
+        def send_floats(self, peers, tensors, tag):
+            return type("Sent", (), {"wait": lambda self: None})()
+
+    corrector = Corrector([shard], [[D] * F], [0], torch.float32, Discard(), {})
+    as_ids = [[(row, torch.ones(row.numel(), dtype=torch.int64)) for row in ids.to(torch.int64)]]
+    next_ids = [[(row, torch.ones(row.numel(), dtype=torch.int64)) for row in nxt.to(torch.int64)]]
+    b = ids.shape[1]
+
+    def work() -> None:
+        corrector.send(0, False, as_ids, [b])  # marks batch i's rows
+        corrector.send(0, True, next_ids, [b])  # batch i+1: its changed bags looked up again
+
+    return lambda: (work(), None)[1]
 
 
-def _client_work(sparse, spec) -> None:
-    """What a trainer does per step around the exchange: route ids to 2 servers, pack, assemble."""
+def _client_work(sparse, spec):
+    """What a trainer does per step around the exchange, one server: route and pack the ids,
+    assemble the received pooled vectors, split the gradient."""
+    from embedding_server.dist_client import FlatStage
     from embedding_server.planner import plan_sharding
     from embedding_server.sharding import SCHEMES
     from embedding_server.wire import pack_ids
 
-    plan = plan_sharding(spec, 2, "rowwise_adagrad", "table_wise")
-    parts = []
-    for f in range(len(spec.tables)):
-        values, offsets = sparse.feature_values(f)
-        pieces = plan.pieces_of(spec.tables[f].name)
-        parts += SCHEMES[pieces[0].kind].route(values, offsets[1:] - offsets[:-1], pieces, spec.tables[f])
-    pack_ids(parts, torch.int32)
-    torch.cat([torch.randn(sparse.batch_size, D) for _ in range(len(spec.tables))], dim=1)
+    plan = plan_sharding(spec, 1, "rowwise_adagrad", "table_wise")
+    stage = FlatStage(plan, spec, 1)
+    b = sparse.batch_size
+    received = [torch.randn(n) for _, n in stage.messages(b)]
+    grad = torch.randn(b, F * D)
+
+    def work() -> None:
+        parts = []
+        for f in range(len(spec.tables)):
+            values, offsets = sparse.feature_values(f)
+            pieces = plan.pieces_of(spec.tables[f].name)
+            parts += SCHEMES[pieces[0].kind].route(values, offsets[1:] - offsets[:-1], pieces, spec.tables[f])
+        pack_ids(parts, torch.int32)
+        stage.assemble(received, b, [])
+        stage.split_grad(grad, b, [])
+
+    return work
 
 
 def _pingpong(rank: int, port: int, out: str) -> None:
@@ -151,23 +241,35 @@ def _pingpong(rank: int, port: int, out: str) -> None:
         t = torch.zeros(n // 4 or 1)
         reps = 50 if n == 1 else 10
         dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+        trips, c0 = [], time.process_time()
         for _ in range(reps):
+            t0 = time.perf_counter()
             if rank == 0:
                 dist.send(t, 1)
                 dist.recv(t, 1)
             else:
                 dist.recv(t, 0)
                 dist.send(t, 0)
-        results[n] = (time.perf_counter() - t0) / (2 * reps)
+            trips.append(time.perf_counter() - t0)
+        results[n] = min(trips) / 2  # one way, the least disturbed round trip
         results[f"cpu{n}"] = (time.process_time() - c0) / (2 * reps)  # this rank's CPU per message
+    # a burst of small messages posted back to back: what each costs its sender (posting,
+    # completing), not a round trip's wait
+    small = [torch.zeros(1) for _ in range(200)]
+    dist.barrier()
+    t0 = time.perf_counter()
+    works = [dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0) for t in small]
+    for w in works:
+        w.wait()
+    results["burst"] = (time.perf_counter() - t0) / len(small)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def _loopback() -> tuple[float, float, float]:
-    """(seconds per message, bytes per second, CPU seconds per byte on each side) over loopback."""
+def _loopback() -> tuple[float, float, float, float]:
+    """(one-way latency of a small message, CPU seconds per small message, bytes per second, CPU
+    seconds per byte on each side) over loopback."""
     import torch.multiprocessing as mp
 
     from dense_trainer.distributed import free_port
@@ -177,7 +279,7 @@ def _loopback() -> tuple[float, float, float]:
     r = json.loads(out.read_text())
     small, big = r["1"], r[str(4 << 20)]
     cpu = max(r[f"cpu{4 << 20}"] - r["cpu1"], 0.0) / (4 << 20)
-    return small, (4 << 20) / max(big - small, 1e-9), cpu
+    return small, r["burst"], (4 << 20) / max(big - small, 1e-9), cpu
 
 
 # -- the model ------------------------------------------------------------------------------------------
@@ -192,46 +294,76 @@ class Layout:
     trainer_hosts: int = 1
     server_hosts: int = 1
     shared: bool = True
-    """Trainers and servers on the same hosts (the 2-core machine)."""
-    cores_per_host: int = 2
+    """Trainers and servers on the same cores (the 2-core machine, its namespaces included)."""
+    cores: int = 2
+    """Cores of the shared machine."""
     trainer_threads: int = 2
+    server_threads: int = 1
+    """Cores a server's fused kernels use (fbgemm's CPU kernels: assumed to scale linearly)."""
     link_bytes_per_s: float = 1e12
     """Each host's link (its egress and its ingress, full duplex)."""
     chunks: int = 1
     dense_samples_per_s: float | None = None
     """A trainer's dense rate when it is not this machine's CPU (a GPU)."""
+    exchange_bytes: float = 4.0
+    """Bytes per pooled / gradient element on the wire (2 with bf16)."""
+
+
+def _overlapped(a: float, b: float, chunks: int) -> float:
+    """Two stages a then b over ``chunks`` pieces, each piece's b after its a: the longer plus a
+    chunk of the shorter."""
+    return max(a, b) + min(a, b) / chunks
 
 
 def step_seconds(c: Costs, lay: Layout, mode: str, batch: int) -> tuple[float, str]:
-    """(seconds per step, the bottleneck) of one global batch."""
+    """(seconds per step, the bottleneck) of one global batch. mode: lockstep | exact |
+    exact-uncorrected | semi-sync."""
     if lay.servers == 0:
-        work = batch * (c.dense_s / c.dense_speedup_2 + c.sparse_s)
-        return work, "one process's CPU"
-    bt, bs = batch / lay.trainers, batch / lay.servers
-    dense = bt / lay.dense_samples_per_s if lay.dense_samples_per_s else bt * c.dense_s / (
-        c.dense_speedup_2 if lay.trainer_threads >= 2 else 1.0)
-    w_t = dense + bt * c.client_s
-    w_s = bs * c.sparse_s
+        return batch * (c.dense_s / c.dense_speedup_2 + c.lookup_s + c.update_s), "one process's CPU"
+    bt = batch / lay.trainers
+    speedup = c.dense_speedup_2 if lay.trainer_threads >= 2 else 1.0
+    per_sample = c.dense_pair_s if lay.shared and lay.trainers >= 2 and lay.trainer_threads == 1 else c.dense_s / speedup
+    dense = bt / lay.dense_samples_per_s if lay.dense_samples_per_s else bt * per_sample
+    messages = 2 * lay.servers * lay.chunks  # a trainer's messages per direction and step
+    w_t = dense + bt * c.client_s + messages * c.message_cpu_s
+    per_server = batch / lay.servers / lay.server_threads  # examples' lookups per server thread
+    lookup, update = per_server * c.lookup_s, per_server * c.update_s
+    correct = per_server * c.correct_s if mode == "exact" else 0.0
+    pooled = F * D * lay.exchange_bytes  # bytes per sample, each direction (+ ids out)
+    per_host = lay.trainers / lay.trainer_hosts
     link = lay.link_bytes_per_s
-    per_trainer_host = lay.trainers / lay.trainer_hosts
-    x_in = per_trainer_host * bt * BYTES["pooled"] / link + lay.servers * lay.chunks * c.message_s
-    x_out = per_trainer_host * bt * (BYTES["ids"] + BYTES["grads"]) / link + lay.servers * lay.chunks * c.message_s
-    parts = {"trainer compute": w_t, "server compute": w_s, "link": max(x_in, x_out)}
+    x_in = max(per_host * bt, batch / lay.server_hosts) * pooled / link + c.latency_s
+    x_out = max(per_host * bt, batch / lay.server_hosts) * (pooled + BYTES["ids"]) / link + c.latency_s
     if mode == "lockstep":
-        step = w_t + w_s + x_in + x_out
-    elif mode == "exact":
-        step = w_t + w_s + max(x_in, x_out) + min(x_in, x_out) / lay.chunks
-    else:
-        step = max(w_t, w_s + x_in / lay.chunks, max(x_in, x_out))
+        step = w_t + lookup + update + x_in + x_out
+    elif mode == "exact":  # lookup and pooled message of i+1 during step i; gradients -> update -> correction
+        step = max(w_t + _overlapped(x_out, update + correct, lay.chunks) + c.latency_s, lookup + x_in)
+    elif mode == "exact-uncorrected":  # the lookup waits for the update; both directions chunked
+        step = w_t + _overlapped(x_out, update, lay.chunks) + lookup + x_in / lay.chunks
+    else:  # semi-sync: lookup of i+1 does not wait for update i
+        step = max(w_t + c.latency_s, lookup + update + x_in / lay.chunks, x_in, x_out)
+    parts = {"trainer compute": w_t, "server compute": lookup + update + correct, "link": max(x_in, x_out)}
+    busy = lay.trainers * (lay.trainer_threads if not lay.dense_samples_per_s else 1) + lay.servers * lay.server_threads
+    if lay.shared and busy > lay.cores:
+        # More busy threads than cores: a server's work beside the trainers' dense step stalls
+        # their thread team, so compute does not overlap compute; only the wire time beyond the
+        # copies' CPU (a slow link) overlaps. Loopback transfers are copies: CPU too.
+        moved = batch * (2 * pooled + BYTES["ids"]) * 2
+        serial = w_t + lookup + update + correct + moved * c.transfer_cpu_s_per_byte / 2
+        parts["shared CPU cores (oversubscribed)"] = serial
+        step = max(step, serial)
     if lay.shared:  # every rank on the same cores: their CPU time adds up
         threads = lay.trainer_threads if not lay.dense_samples_per_s else 0
         dense_cpu = dense * threads if threads >= 2 else (dense if threads else 0.0)  # a 2-thread step holds 2 cores
-        moved = batch * sum(BYTES.values()) * 2  # every byte is copied out by its sender and in by its receiver
-        cpu = lay.trainers * (dense_cpu + bt * c.client_s) + lay.servers * w_s + moved * c.transfer_cpu_s_per_byte
-        cpu /= lay.cores_per_host * lay.trainer_hosts
-        parts["shared CPU cores"] = cpu
-        step = max(step, cpu)
+        moved = batch * (2 * pooled + BYTES["ids"]) * 2  # every byte copied out by its sender, in by its receiver
+        cpu = (lay.trainers * (dense_cpu + bt * c.client_s + messages * c.message_cpu_s)
+               + lay.servers * lay.server_threads * (lookup + update + correct) + moved * c.transfer_cpu_s_per_byte)
+        parts["shared CPU cores"] = cpu / lay.cores
+        step = max(step, parts["shared CPU cores"])
     return step, max(parts, key=parts.get)
+
+
+MODES = (("lockstep", "lockstep"), ("pipelined", "exact"), ("semi-sync", "semi-sync"))
 
 
 def predictions(c: Costs, batch: int, measured: dict) -> list[dict]:
@@ -241,8 +373,11 @@ def predictions(c: Costs, batch: int, measured: dict) -> list[dict]:
     configs = {"single": (Layout(1, 0), "lockstep")}
     for (e, t) in ((1, 1), (2, 2)):
         threads = max(1, 2 // t)
-        for label, mode in (("lockstep", "lockstep"), ("pipelined", "exact"), ("semi-sync", "semi-sync")):
+        for label, mode in MODES:
             configs[f"E{e},T{t} {label}"] = (Layout(t, e, trainer_threads=threads, link_bytes_per_s=loop), mode)
+    configs["E1,T1 exact uncorrected"] = (Layout(1, 1, link_bytes_per_s=loop), "exact-uncorrected")
+    configs["E2,T2 pipelined bf16"] = (Layout(2, 2, trainer_threads=1, link_bytes_per_s=loop, exchange_bytes=2.0),
+                                       "exact")
     for name, (lay, mode) in configs.items():
         if name in measured:
             step, neck = step_seconds(c, lay, mode, batch)
@@ -263,11 +398,12 @@ def measured_rates(results: Path) -> tuple[dict, dict | None]:
 
 
 def host_predictions(c: Costs, hosts: dict) -> list[dict]:
-    """The two-namespace runs: trainer host and parameter host, --rate links, batch 2048."""
+    """The two-namespace runs: trainer host and parameter host on this machine's 2 cores, --rate
+    links, batch 2048, 4 chunks."""
     rate = hosts["rate"].lower()
     bits = float(rate.rstrip("gmbit").rstrip("bit")) * (1e9 if "g" in rate else 1e6)
     rows = []
-    for label, mode in (("lockstep", "lockstep"), ("pipelined", "exact"), ("semi-sync", "semi-sync")):
+    for label, mode in MODES:
         lay = Layout(1, 1, trainer_threads=2, link_bytes_per_s=bits / 8, chunks=4)
         step, neck = step_seconds(c, lay, mode, 2048)
         rows.append({"config": f"2 hosts at {hosts['rate']}, {label}", "predicted": 2048 / step,
@@ -276,17 +412,13 @@ def host_predictions(c: Costs, hosts: dict) -> list[dict]:
 
 
 def datacentre(c: Costs, gpu_rate: float, param_cores: int, batch: int) -> list[dict]:
-    """8 trainer hosts x 8 GPUs and 8 parameter hosts on 100 Gbit/s (12.5 GB/s per host)."""
+    """8 trainer hosts x 8 GPUs (64 trainers) and 8 parameter hosts (one server each, on
+    ``param_cores`` cores) on 100 Gbit/s (12.5 GB/s per host, each direction)."""
     rows = []
     for mode in ("lockstep", "exact", "semi-sync"):
-        lay = Layout(64, 8 * param_cores, trainer_hosts=8, server_hosts=8, shared=False,
+        lay = Layout(64, 8, trainer_hosts=8, server_hosts=8, shared=False, server_threads=param_cores,
                      link_bytes_per_s=12.5e9, chunks=4, dense_samples_per_s=gpu_rate)
-        # servers: param_cores server ranks per parameter host, one core each; the link of a
-        # parameter host carries 1/8 of every trainer's bytes.
         step, neck = step_seconds(c, lay, mode, batch)
-        server_link = batch / 8 * (BYTES["ids"] + BYTES["grads"]) / 12.5e9
-        if server_link > step:
-            step, neck = server_link, "parameter hosts' links"
         rows.append({"mode": mode, "samples_per_s": batch / step, "bottleneck": neck})
     return rows
 
@@ -322,11 +454,13 @@ def main() -> None:
 
 def render(r: dict) -> str:
     c = r["costs"]
-    lines = [f"Scaling model ({r['date']}). Measured components: dense {1e6 * c['dense_s']:.1f} µs/sample "
-             f"(x{c['dense_speedup_2']:.2f} on 2 threads), server lookup + update {1e6 * c['sparse_s']:.2f} µs/sample, "
-             f"trainer routing and assembly {1e6 * c['client_s']:.2f} µs/sample, messages {1e6 * c['message_s']:.0f} µs "
-             f"and {c['loopback_bytes_per_s'] / 1e9:.2f} GB/s over loopback, "
-             f"{1e9 * c.get('transfer_cpu_s_per_byte', 0.0):.2f} ns of CPU per byte on each side.", "",
+    us = {k: 1e6 * v for k, v in c.items() if k.endswith("_s")}
+    lines = [f"Scaling model ({r['date']}). Measured components (µs per sample unless said): dense {us['dense_s']:.1f} "
+             f"(x{c['dense_speedup_2']:.2f} on 2 threads), server lookup {us['lookup_s']:.2f}, update {us['update_s']:.2f}, "
+             f"correction {us['correct_s']:.2f}, trainer routing and assembly {us['client_s']:.2f}; messages: "
+             f"{us['latency_s']:.0f} µs one way, {us['message_cpu_s']:.0f} µs of CPU each, "
+             f"{c['loopback_bytes_per_s'] / 1e9:.2f} GB/s over loopback, {1e9 * c['transfer_cpu_s_per_byte']:.2f} ns of "
+             "CPU per byte on each side.", "",
              "| configuration | predicted samples/s | measured | error | bottleneck |", "|---|---:|---:|---:|---|"]
     for row in r["checks"]:
         lines.append(f"| {row['config']} | {row['predicted']:,.0f} | {row['measured']:,.0f} | {100 * row['error']:+.0f}% | "
