@@ -37,6 +37,11 @@ class Settings(BaseSettings):
     """Longest the batcher waits, once a request is queued, for requests already being decoded
     (Triton's ``max_queue_delay_microseconds``); it waits only while some are, so at low load no
     request waits at all."""
+    fast_path: bool = True
+    """Scoring routes (V1 predict and predict_tsv, V2 infer) answered by a lean ASGI layer
+    (``api/fastpath.py``) instead of FastAPI's router and dependency machinery: the same
+    handlers, errors, metrics, authentication and body cap, less CPU per request. False: through
+    FastAPI (identical answers; for comparison)."""
     max_body_bytes: int = Field(default=16 << 20, ge=1024)
     """Largest request body; larger bodies get 413."""
     max_pinned_versions: int = Field(default=2, ge=0)
