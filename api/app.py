@@ -89,7 +89,8 @@ def create_app(
     openapi.install(app, settings.model_name, secured=keys.enabled)
     app.state.routes = openapi.route_table(app)
     if settings.fast_path:  # innermost: inside the body cap, the key check and the request context
-        app.add_middleware(FastScoring, routes=app.state.routes, handlers={**V1_FAST, **V2_FAST})
+        app.add_middleware(FastScoring, routes=app.state.routes, handlers={**V1_FAST, **V2_FAST},
+                           inline_max_bytes=settings.inline_max_bytes)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequireKey, keys=keys)
     app.add_middleware(RequestContext, access_log=settings.access_log, templates=[p for p, _ in app.state.routes])

@@ -3,11 +3,11 @@ same status, body and headers for good requests and every kind of error, same la
 authentication and body cap still applied, and the request id on the handler's log lines."""
 
 import json
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
 
-from api import fastpath
 from api.app import create_app
 from api.fastpath import FastScoring, get_route_path
 from api.service import ModelService
@@ -81,18 +81,26 @@ def latency_labels(client: TestClient) -> list[str]:
     return sorted(line.split(" ")[0] for line in text.splitlines() if line.startswith("dlrm_request_latency_seconds_count"))
 
 
-@pytest.mark.parametrize("auth", [False, True])
-def test_fast_path_answers_as_fastapi_does(store_url, lines, auth, monkeypatch):
+@pytest.mark.parametrize(("auth", "inline"), [(False, 0), (True, 0), (False, 4096)])
+def test_fast_path_answers_as_fastapi_does(store_url, lines, auth, inline, monkeypatch):
     keys = {"api_key": KEY} if auth else {}
     headers = {"Authorization": f"Bearer {KEY}"} if auth else {}
-    runs, hops = {}, []
-    real_pool = fastpath.pool
-    monkeypatch.setattr(fastpath, "pool", lambda: hops.append(1) or real_pool())
+    runs, threads = {}, []
+    real = ModelService.predict_json
+
+    def spy(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelService, "predict_json", spy)
     for fast in (False, True):
-        settings = Settings(store=store_url, fast_path=fast, max_body_bytes=4096, **keys)
+        threads.clear()
+        settings = Settings(store=store_url, fast_path=fast, max_body_bytes=4096, inline_max_bytes=inline, **keys)
         with TestClient(create_app(settings)) as client:
             runs[fast] = (answers(client, lines, headers), latency_labels(client))
-        assert bool(hops) == fast  # the lean path answered (or not) the scoring routes
+        scored_in_pool = [t.startswith("score") for t in threads]
+        # FastAPI: anyio's threads; the lean path: its pool, or the loop for small bodies when inline
+        assert set(scored_in_pool) == {fast and not inline}
     (slow, slow_labels), (quick, quick_labels) = runs[False], runs[True]
     for a, b in zip(slow, quick, strict=True):
         assert a == b, a[0]
