@@ -121,13 +121,12 @@ class FastScoring:
         scope["route"] = route
         scope["path_params"] = params
         request = Request(scope, receive)
-        alone = self.in_flight == 0
         self.in_flight += 1
         try:
             body = await request.body()
             service = scope["app"].state.service
-            if alone and len(body) <= self.inline_max_bytes and not service.store.remote:
-                response = route.handler(service, params, body, request.headers)  # small: on the loop
+            if await self._alone_and_small(body, service):
+                response = route.handler(service, params, body, request.headers)  # on the loop
             else:
                 ctx = contextvars.copy_context()  # the request id, for the handler's log lines
                 response = await asyncio.get_running_loop().run_in_executor(
@@ -143,6 +142,17 @@ class FastScoring:
         finally:
             self.in_flight -= 1
         await response(scope, receive, send)
+
+
+    async def _alone_and_small(self, body: bytes, service) -> bool:
+        """Whether this request is scored on the loop: small, local store, the only one in flight
+        once the requests that arrived with it have started (a small body is read without
+        yielding: without one pass of the loop, requests arriving together would each find
+        themselves alone and run one after another on the loop, never batched)."""
+        if len(body) > self.inline_max_bytes or service.store.remote or self.in_flight != 1:
+            return False
+        await asyncio.sleep(0)
+        return self.in_flight == 1
 
 
 def exception_handler(app, exc: Exception):
