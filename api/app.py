@@ -1,7 +1,7 @@
 """The FastAPI application: routers (V1, the Open Inference Protocol, health and metrics), the
 lifespan (store and service opened and closed), error mapping (``errors.py``), and the
 middleware, outermost first: request context (id, latency, access log, JSON 500), bearer keys
-(before anything is read), body size limit."""
+(before anything is read), body size limit, the scoring routes' lean path (``fastpath.py``)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,14 @@ from fastapi import FastAPI
 from api import openapi
 from api.auth import KeyRing, RequireKey
 from api.errors import register_error_handlers
+from api.fastpath import FastScoring
 from api.metrics import ServingMetrics
 from api.middleware import BodyLimit, RequestContext
+from api.router import FAST_HANDLERS as V1_FAST
 from api.router import router
 from api.service import ModelService
 from api.settings import Settings, get_settings
+from api.v2.router import FAST_HANDLERS as V2_FAST
 from api.v2.router import router as v2_router
 from embedding_server.stores import ServingStore, open_store
 
@@ -84,8 +87,11 @@ def create_app(
     app.include_router(v2_router)
     register_error_handlers(app, settings.retry_after_s)
     openapi.install(app, settings.model_name, secured=keys.enabled)
+    app.state.routes = openapi.route_table(app)
+    if settings.fast_path:  # innermost: inside the body cap, the key check and the request context
+        app.add_middleware(FastScoring, routes=app.state.routes, handlers={**V1_FAST, **V2_FAST},
+                           inline_max_bytes=settings.inline_max_bytes)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequireKey, keys=keys)
-    app.state.routes = openapi.route_table(app)
     app.add_middleware(RequestContext, access_log=settings.access_log, templates=[p for p, _ in app.state.routes])
     return app

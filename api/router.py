@@ -89,6 +89,17 @@ def _predict_tsv(service: ModelService, name: str, text: bytes, version: str | N
     return _json(service.predict_tsv(name, text, version))
 
 
+FAST_HANDLERS = {
+    "/v1/models/{name}:predict": lambda service, p, body, _: _predict(service, p["name"], body, None),
+    "/v1/models/{name}/versions/{version}:predict":
+        lambda service, p, body, _: _predict(service, p["name"], body, p["version"]),
+    "/v1/models/{name}:predict_tsv": lambda service, p, body, _: _predict_tsv(service, p["name"], body, None),
+    "/v1/models/{name}/versions/{version}:predict_tsv":
+        lambda service, p, body, _: _predict_tsv(service, p["name"], body, p["version"]),
+}
+"""The scoring routes as ``api/fastpath.py`` answers them: the same functions as the endpoints below."""
+
+
 @models.post("/{name}:predict_tsv", response_model=PredictResponse, openapi_extra=TSV_BODY,
              summary="Score lines in the model's input format")
 async def predict_tsv(name: str, request: Request, service: ServiceDep) -> Response:

@@ -37,6 +37,17 @@ class Settings(BaseSettings):
     """Longest the batcher waits, once a request is queued, for requests already being decoded
     (Triton's ``max_queue_delay_microseconds``); it waits only while some are, so at low load no
     request waits at all."""
+    fast_path: bool = True
+    """Scoring routes (V1 predict and predict_tsv, V2 infer) answered by a lean ASGI layer
+    (``api/fastpath.py``) instead of FastAPI's router and dependency machinery: the same
+    handlers, errors, metrics, authentication and body cap, less CPU per request. False: through
+    FastAPI (identical answers; for comparison)."""
+    inline_max_bytes: int = Field(default=4096, ge=0)
+    """A scoring request whose body is at most this many bytes (a dozen single instances),
+    arriving while no other is in flight, on a local store (file: memory-mapped rows), is scored
+    on the event loop itself instead of a pool thread (``api/fastpath.py``): its work is bounded
+    by its size, and it saves the thread hop. Larger bodies, concurrent requests (dynamic
+    batching) and remote stores always go off the loop. 0: never on the loop."""
     max_body_bytes: int = Field(default=16 << 20, ge=1024)
     """Largest request body; larger bodies get 413."""
     max_pinned_versions: int = Field(default=2, ge=0)

@@ -94,7 +94,10 @@ def test_concurrent_requests_are_batched_and_score_as_alone(file_store_url, rows
 
 def test_a_failing_request_fails_alone_in_its_batch(file_store_url, rows):  # noqa: F811
     poison = {"dense": [987654321] + [None] * 12, "sparse": [None] * 26}
-    with TestClient(create_app(Settings(store=file_store_url))) as client:
+    # The blocker's slow model call must hold the batcher (off the loop), not the event loop: a
+    # lone small request is otherwise scored on the loop (inline_max_bytes) and the others arrive
+    # only after it, to an idle batcher.
+    with TestClient(create_app(Settings(store=file_store_url, inline_max_bytes=0))) as client:
         service = client.app.state.service
         score, calls = service.score, []
 

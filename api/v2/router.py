@@ -132,6 +132,16 @@ def _infer(service: ModelService, name: str, version: str | None, body: bytes, h
                     headers={"Inference-Header-Content-Length": str(len(head))})
 
 
+FAST_HANDLERS = {
+    "/v2/models/{name}/infer":
+        lambda service, p, body, headers: infer_sync(service, p["name"], None, body, headers.get(binary.HEADER)),
+    "/v2/models/{name}/versions/{version}/infer":
+        lambda service, p, body, headers: infer_sync(service, p["name"], p["version"], body,
+                                                     headers.get(binary.HEADER)),
+}
+"""The infer routes as ``api/fastpath.py`` answers them: the same function as the endpoints below."""
+
+
 @router.post("/models/{name}/infer", openapi_extra=INFER_BODY, response_model=InferResponse,
              summary="Score examples given as one tensor per feature")
 async def infer(name: str, request: Request, service: ServiceDep) -> Response:

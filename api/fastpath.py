@@ -1,0 +1,167 @@
+"""The scoring routes' lean path: a pure-ASGI layer in front of FastAPI's router.
+
+Every scoring endpoint does the same three things: read the raw body, call a synchronous handler
+off the event loop (decode, validate, featurise, score, render: ``api/router.py``,
+``api/v2/router.py``), send its ``Response``. Through FastAPI, a single-instance request also
+pays the router's and the route's machinery (exception and exit-stack middleware, route
+matching through the included routers, dependency solving, anyio's thread hop): about as much
+CPU as scoring the instance. This layer, inside the request-context, key and body-limit
+middleware (so ids, latency metrics, access log, authentication and the body cap apply as
+before), answers POSTs to the scoring routes itself with the same handler functions:
+
+    - routing: the app's POST routes in order, the first whose template matches wins (Starlette's
+      rule); a path no scoring route owns goes on to FastAPI, which answers it as before (405s,
+      404s, every other route);
+    - errors: the exception handlers registered on the app (``api/errors.py``), looked up the way
+      Starlette does (HTTP status first, then the exception's classes in MRO order); an exception
+      with no handler propagates to ``RequestContext`` (the JSON 500);
+    - the work: in a thread of one pool per process (``concurrent.futures``, ``THREADS`` threads as
+      anyio's default limit; context variables such as the request id carried over), except for a
+      provably small one: a body of at most ``inline_max_bytes`` (a few single instances' worth),
+      arriving while no other scoring request is in flight, on a local store (memory-mapped
+      files; never a network round trip), is scored on the event loop itself. Its work is bounded
+      by its size (a fraction of a millisecond), it saves the thread hop and, on a shared machine,
+      the cold caches of waking a second thread (measured: most of a lone request's CPU); while
+      other requests are in flight every request goes to the pool, so that dynamic batching
+      coalesces them as before;
+    - the latency label: ``scope["route"]`` is set to the route, so ``route_template`` gives the
+      same template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import compile_path
+
+Handler = Callable[[object, dict[str, str], bytes, Headers], Response]
+"""``(service, path parameters, body, headers) -> Response``, run off the event loop."""
+THREADS = 40
+"""Threads scoring requests at once (anyio's default limit, which ``run_in_threadpool`` applies)."""
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process's scoring threads (started as needed, shared by every app of the process)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="score")
+        return _pool
+
+
+@dataclass(frozen=True)
+class FastRoute:
+    """One POST route of the app, in routing order."""
+
+    path: str
+    """Its path template (the latency histogram's label, read as ``scope["route"].path``)."""
+    regex: re.Pattern
+    """Starlette's compiled pattern of the template."""
+    handler: Handler | None
+    """The scoring handler, or None: a POST route that FastAPI answers."""
+
+
+def get_route_path(scope) -> str:
+    """The path routes match against: ``scope["path"]`` less ``root_path`` (Starlette's rule)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root):] if path[len(root)] == "/" else path
+
+
+class FastScoring:
+    """Answers POSTs to the scoring routes (``handlers``: template -> handler) without FastAPI.
+
+    Args:
+        routes: (template, method) of every route of the app, in routing order
+            (``openapi.route_table``); only the POST ones are matched.
+        handlers: template -> handler of the scoring routes.
+    """
+
+    def __init__(self, app, routes: list[tuple[str, str]], handlers: dict[str, Handler],
+                 inline_max_bytes: int = 0) -> None:
+        self.app = app
+        self.inline_max_bytes = inline_max_bytes
+        self.in_flight = 0
+        """Scoring requests between their arrival and their answer (this process's loop)."""
+        posts = [t for t, method in routes if method == "POST"]
+        missing = set(handlers) - set(posts)
+        if missing:
+            raise ValueError(f"fast-path handlers without a POST route: {sorted(missing)}")
+        self.routes = [FastRoute(t, compile_path(t)[0], handlers.get(t)) for t in dict.fromkeys(posts)]
+
+    def match(self, scope) -> tuple[FastRoute, dict[str, str]] | None:
+        path = get_route_path(scope)
+        for route in self.routes:
+            m = route.regex.match(path)
+            if m is not None:
+                return (route, m.groupdict()) if route.handler is not None else None
+        return None
+
+    async def __call__(self, scope, receive, send):
+        found = self.match(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if found is None:
+            return await self.app(scope, receive, send)
+        route, params = found
+        scope["route"] = route
+        scope["path_params"] = params
+        request = Request(scope, receive)
+        self.in_flight += 1
+        try:
+            body = await request.body()
+            service = scope["app"].state.service
+            if await self._alone_and_small(body, service):
+                response = route.handler(service, params, body, request.headers)  # on the loop
+            else:
+                ctx = contextvars.copy_context()  # the request id, for the handler's log lines
+                response = await asyncio.get_running_loop().run_in_executor(
+                    pool(), ctx.run, route.handler, service, params, body, request.headers)
+        except Exception as exc:
+            handler = exception_handler(scope["app"], exc)
+            if handler is None:
+                raise
+            if inspect.iscoroutinefunction(handler):
+                response = await handler(request, exc)
+            else:
+                response = await asyncio.get_running_loop().run_in_executor(pool(), handler, request, exc)
+        finally:
+            self.in_flight -= 1
+        await response(scope, receive, send)
+
+
+    async def _alone_and_small(self, body: bytes, service) -> bool:
+        """Whether this request is scored on the loop: small, local store, the only one in flight
+        once the requests that arrived with it have started (a small body is read without
+        yielding: without one pass of the loop, requests arriving together would each find
+        themselves alone and run one after another on the loop, never batched)."""
+        if len(body) > self.inline_max_bytes or service.store.remote or self.in_flight != 1:
+            return False
+        await asyncio.sleep(0)
+        return self.in_flight == 1
+
+
+def exception_handler(app, exc: Exception):
+    """The app's handler of ``exc`` (Starlette's lookup: status code, then MRO), or None. The
+    handler of 500 / ``Exception`` is the server-error middleware's, outside this layer: skipped."""
+    handlers = {k: v for k, v in app.exception_handlers.items() if k not in (500, Exception)}
+    if isinstance(exc, HTTPException) and exc.status_code in handlers:
+        return handlers[exc.status_code]
+    for cls in type(exc).__mro__:
+        if cls in handlers:
+            return handlers[cls]
+    return None

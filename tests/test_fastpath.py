@@ -1,0 +1,152 @@
+"""The scoring routes' lean path (api/fastpath.py) answers exactly as FastAPI's router does:
+same status, body and headers for good requests and every kind of error, same latency labels,
+authentication and body cap still applied, and the request id on the handler's log lines."""
+
+import json
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.fastpath import FastScoring, get_route_path
+from api.service import ModelService
+from api.settings import Settings
+from dlrm_core.logs import REQUEST_ID
+from embedding_server.publish import publish_checkpoint
+from embedding_server.stores import open_store
+
+KEY = "k-fast-1"
+
+
+@pytest.fixture(scope="module")
+def store_url(trained_criteo, tmp_path_factory):
+    url = f"file://{tmp_path_factory.mktemp('fast-store')}"
+    publish_checkpoint(trained_criteo, open_store(url), version="v1")
+    return url
+
+
+@pytest.fixture(scope="module")
+def lines(criteo_sample):
+    return (criteo_sample / "test.txt").read_text().splitlines()[:5]
+
+
+def instance(line: str) -> dict:
+    f = line.split("\t")
+    return {"dense": [int(x) if x else None for x in f[1:14]], "sparse": [x or None for x in f[14:40]]}
+
+
+def requests(lines) -> list[tuple[str, str, dict]]:
+    """(method, path, httpx keyword arguments): answers and errors of every scoring route."""
+    one = json.dumps({"instances": [instance(lines[0])]})
+    tensor = [{"name": "I1", "shape": [2], "datatype": "FP32", "data": [1, 2]},
+              {"name": "C1", "shape": [2], "datatype": "BYTES", "data": ["68fd1e64", "x"]}]
+    bad_sparse = {"instances": [{"dense": [1] * 13, "sparse": ["a"] * 25}]}
+    return [
+        ("POST", "/v1/models/dlrm:predict", {"content": one}),
+        ("POST", "/v1/models/dlrm:predict", {"json": {"instances": [instance(x) for x in lines]}}),
+        ("POST", "/v1/models/dlrm/versions/v1:predict", {"content": one}),
+        ("POST", "/v1/models/dlrm/versions/gone:predict", {"content": one}),  # 404 version
+        ("POST", "/v1/models/nope:predict", {"content": one}),  # 404 name
+        ("POST", "/v1/models/dlrm:predict", {"json": bad_sparse}),  # 422 naming the field
+        ("POST", "/v1/models/dlrm:predict", {"content": b"{not json"}),  # 422 body
+        ("POST", "/v1/models/dlrm:predict", {"json": {"instances": []}}),
+        ("POST", "/v1/models/dlrm:predict", {"content": b"x" * 5000}),  # over the test's 4 KiB cap: 413
+        ("POST", "/v1/models/dlrm:predict_tsv", {"content": "\n".join(lines[:3]).encode()}),
+        ("POST", "/v1/models/dlrm/versions/v1:predict_tsv", {"content": lines[0].encode()}),
+        ("POST", "/v1/models/dlrm:predict_tsv", {"content": b"1\t2\n"}),
+        ("POST", "/v2/models/dlrm/infer", {"json": {"id": "r1", "inputs": tensor}}),
+        ("POST", "/v2/models/dlrm/versions/v1/infer", {"json": {"inputs": tensor}}),
+        ("POST", "/v2/models/dlrm/infer", {"json": {"inputs": [{"name": "I99", "shape": [1], "datatype": "FP32",
+                                                                 "data": [1]}]}}),
+        ("POST", "/v2/models/nope/infer", {"json": {"inputs": tensor}}),
+        ("GET", "/v1/models/dlrm:predict", {}),  # 405 from FastAPI either way
+        ("POST", "/v1/models/dlrm", {"content": one}),  # no POST route: 405
+        ("POST", "/v1/models/dlrm:predictx", {"content": one}),  # no route
+        ("POST", "/v1/models/a/b:predict", {"content": one}),  # {name} holds no slash: no route
+    ]
+
+
+def answers(client: TestClient, lines, auth: dict) -> list[tuple]:
+    out = []
+    for method, path, kwargs in requests(lines):
+        r = client.request(method, path, headers={**auth, **kwargs.pop("headers", {})}, **kwargs)
+        headers = {k: v for k, v in r.headers.items() if k not in ("x-request-id", "date")}
+        out.append((path, r.status_code, r.content, headers))
+    return out
+
+
+def latency_labels(client: TestClient) -> list[str]:
+    text = client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return sorted(line.split(" ")[0] for line in text.splitlines() if line.startswith("dlrm_request_latency_seconds_count"))
+
+
+@pytest.mark.parametrize(("auth", "inline"), [(False, 0), (True, 0), (False, 4096)])
+def test_fast_path_answers_as_fastapi_does(store_url, lines, auth, inline, monkeypatch):
+    keys = {"api_key": KEY} if auth else {}
+    headers = {"Authorization": f"Bearer {KEY}"} if auth else {}
+    runs, threads = {}, []
+    real = ModelService.predict_json
+
+    def spy(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelService, "predict_json", spy)
+    for fast in (False, True):
+        threads.clear()
+        settings = Settings(store=store_url, fast_path=fast, max_body_bytes=4096, inline_max_bytes=inline, **keys)
+        with TestClient(create_app(settings)) as client:
+            runs[fast] = (answers(client, lines, headers), latency_labels(client))
+        scored_in_pool = [t.startswith("score") for t in threads]
+        # FastAPI: anyio's threads; the lean path: its pool, or the loop for small bodies when inline
+        assert set(scored_in_pool) == {fast and not inline}
+    (slow, slow_labels), (quick, quick_labels) = runs[False], runs[True]
+    for a, b in zip(slow, quick, strict=True):
+        assert a == b, a[0]
+    assert {s for _, s, _, _ in quick} >= {200, 404, 405, 413, 422}
+    assert slow_labels == quick_labels
+    assert any('route="/v1/models/{name}:predict"' in x and 'status="200"' in x for x in quick_labels)
+
+
+def test_fast_path_keeps_authentication(store_url, lines):
+    with TestClient(create_app(Settings(store=store_url, api_key=KEY))) as client:
+        body = {"instances": [instance(lines[0])]}
+        r = client.post("/v1/models/dlrm:predict", json=body)
+        assert r.status_code == 401 and r.json()["field"] == "Authorization"
+        r = client.post("/v1/models/dlrm:predict", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert client.post("/v1/models/dlrm:predict", json=body,
+                           headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_handler_log_lines_carry_the_request_id(store_url, lines, monkeypatch):
+    """The handler runs in a pool thread with the request's context variables."""
+    seen = []
+    real = ModelService.predict_json
+
+    def logged(self, *args, **kwargs):
+        seen.append(REQUEST_ID.get(None))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ModelService, "predict_json", logged)
+    with TestClient(create_app(Settings(store=store_url))) as client:
+        r = client.post("/v1/models/dlrm:predict", json={"instances": [instance(lines[0])]},
+                        headers={"X-Request-ID": "req-fast-42"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "req-fast-42"
+    assert seen == ["req-fast-42"]
+
+
+def test_routing_follows_the_apps_post_routes_in_order():
+    def handler(*_):
+        raise AssertionError("not called")
+
+    layer = FastScoring(None, [("/a/{x}", "GET"), ("/a/{x}", "POST"), ("/a/{x}:go", "POST")], {"/a/{x}:go": handler})
+    # "/a/{x}" comes first and its {x} matches "k:go": FastAPI's route, not the fast one.
+    assert layer.match({"type": "http", "path": "/a/k:go", "root_path": ""}) is None
+    layer = FastScoring(None, [("/a/{x}:go", "POST"), ("/a/{x}", "POST")], {"/a/{x}:go": handler})
+    route, params = layer.match({"type": "http", "path": "/a/k:go", "root_path": ""})
+    assert route.path == "/a/{x}:go" and params == {"x": "k"}
+    assert get_route_path({"path": "/api/a/k:go", "root_path": "/api"}) == "/a/k:go"
+    with pytest.raises(ValueError, match="without a POST route"):
+        FastScoring(None, [("/b", "GET")], {"/b": handler})
