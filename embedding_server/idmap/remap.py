@@ -23,8 +23,16 @@ import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import shared_row_count
-from embedding_server.idmap.dynamic import COUNTERS, DynamicIdMap, shared_rows_of
+from embedding_server.idmap.batched import MapGroup
+from embedding_server.idmap.dynamic import (
+    COUNTERS,
+    DynamicIdMap,
+    has_sketch,
+    shared_rows_of,
+    sketch_width,
+)
 from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, probe
+from embedding_server.idmap.sketch import sketch_cells
 from embedding_server.local_table import LocalTable
 
 RowReset = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -64,6 +72,10 @@ class ShardIdMaps:
             local = tables[t]
             if local.row_start != 0 or local.spec.rows != local.table.rows:
                 raise ValueError(f"table {local.table.name}: dynamic ids need whole rows on one shard")
+        # Maps of equal rows and settings are admitted together (``batched.py``): order them by group.
+        key_of = {t: (tables[t].spec.rows, tables[t].table.dynamic) for t in mine}
+        kinds = list(dict.fromkeys(key_of.values()))
+        mine = sorted(mine, key=lambda t: kinds.index(key_of[t]))
         rows = [tables[t].spec.rows for t in mine]
         shared = [shared_row_count(tables[t].spec.rows, tables[t].table.dynamic) for t in mine]
         buckets = [buckets_for(r - s) for r, s in zip(rows, shared, strict=True)]
@@ -78,16 +90,46 @@ class ShardIdMaps:
         self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
         self.shared = torch.tensor(shared, dtype=torch.int64)  # [M] S of each map
         self.maps: dict[int, DynamicIdMap] = {}
-        for i, t in enumerate(mine):
-            h0, r0 = int(self.bucket_base[i]), int(self.row_base[i])
-            views = {"keys": self.keys[h0 : h0 + buckets[i]], "slots": self.slots[h0 : h0 + buckets[i]],
-                     "last": self.last[r0 : r0 + rows[i]], "uses": self.uses[r0 : r0 + rows[i]],
-                     "counters": self.counters[i]}
-            self.maps[t] = DynamicIdMap(rows[i], tables[t].table.dynamic, self._resetter(t, reset, read, seed, init_scale), views)
-        self.map_list = list(self.maps.values())
+        self.groups: list[tuple[int, int, MapGroup]] = []  # (first map, last map + 1, group)
+        first = 0
+        for kind in kinds:
+            members = [t for t in mine if key_of[t] == kind]
+            last = first + len(members)
+            group = self._group(members, first, buckets[first], reset, read, seed, init_scale)
+            self.groups.append((first, last, group))
+            first = last
+        self.maps = {t: self.maps[t] for t in sorted(self.maps)}
+        self.map_list = [self.maps[t] for t in mine]
         number = {t: i for i, t in enumerate(mine)}
         self.map_of_feature = torch.tensor([number.get(t, -1) for t in feature_map], dtype=torch.int64)  # [F]
-        self.ttl_maps = [m for m in self.map_list if m.cfg.evict == "ttl"]
+
+    def _group(self, members: list[int], first: int, h: int, reset: RowReset, read: RowRead, seed: int,
+               init_scale: float | None) -> MapGroup:
+        """The maps of tables ``members`` (equal rows R and settings; maps first.. of the shard),
+        their state stacked [M, ...] in views of the side-by-side buffers (``h``: H of each)."""
+        m, last = len(members), first + len(members)
+        local = self.tables[members[0]]
+        r, cfg = local.spec.rows, local.table.dynamic
+        s = shared_row_count(r, cfg)
+        h0, r0 = int(self.bucket_base[first]), int(self.row_base[first])
+        stacked = {"row_id": torch.zeros(m, r, dtype=torch.int64), "used": torch.zeros(m, r, dtype=torch.bool),
+                   "last": self.last[r0 : r0 + m * r].view(m, r), "uses": self.uses[r0 : r0 + m * r].view(m, r),
+                   "free": torch.zeros(m, r - s, dtype=torch.int64), "counters": self.counters[first:last],
+                   "table_counts": torch.zeros(m, 2, dtype=torch.int64)}
+        width = sketch_cells(sketch_width(r))
+        if has_sketch(cfg):
+            stacked.update(sketch_counts=torch.zeros(m, 4 * width, dtype=torch.int32),
+                           sketch_added=torch.zeros(m, dtype=torch.int64))
+        keys, slots = self.keys[h0 : h0 + m * h], self.slots[h0 : h0 + m * h]
+        maps = []
+        for i, t in enumerate(members):
+            views = {k: v[i] for k, v in stacked.items()}
+            views.update(keys=keys[i * h : (i + 1) * h], slots=slots[i * h : (i + 1) * h])
+            if has_sketch(cfg):
+                views["sketch_counts"] = views["sketch_counts"].view(4, width)
+            self.maps[t] = DynamicIdMap(r, cfg, self._resetter(t, reset, read, seed, init_scale), views)
+            maps.append(self.maps[t])
+        return MapGroup(maps, keys, slots, stacked)
 
     def _resetter(self, t: int, reset: RowReset, read: RowRead, seed: int, init_scale: float | None):
         local = self.tables[t]
@@ -127,13 +169,14 @@ class ShardIdMaps:
         absent = torch.nonzero(~known).squeeze(1)
         if absent.numel():
             k_absent = k[absent]
-            for i in torch.unique(k_absent).tolist():  # only the tables with new ids
-                sel = absent[k_absent == i]
-                rows[sel] = self.map_list[i].admit(ids[sel])
+            for first, last, group in self.groups:  # every table of a group at once
+                sel = absent[(k_absent >= first) & (k_absent < last)]
+                if sel.numel():
+                    rows[sel] = group.admit(ids[sel], k[sel] - first)
         shared = rows < self.shared[k]
         self.counters[:, default] += torch.bincount(k[shared], minlength=len(self.map_list))
-        for m in self.ttl_maps:
-            m.end_step()
+        for _, _, group in self.groups:
+            group.expire()
         return rows
 
     def stats(self) -> dict[str, dict[str, int]]:
