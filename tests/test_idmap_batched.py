@@ -8,8 +8,9 @@ import torch
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import DynamicIds, TableSpec
 from embedding_server.idmap.dynamic import DynamicIdMap, shared_rows_of
-from embedding_server.idmap.remap import ShardIdMaps
+from embedding_server.idmap.remap import ShardIdMaps, init_for_ids, init_for_pieces
 from embedding_server.local_table import LocalTable
+from embedding_server.row_blocks import RowBlocks
 
 HASHED_ROWS = 50
 
@@ -43,11 +44,15 @@ def test_batched_admission_equals_one_map_per_table(policy, admit_after, shared)
     resets: dict[int, list] = {t: [] for t in range(len(tables))}
     reads: dict[int, list] = {t: [] for t in range(len(tables))}
 
-    def read(piece, rows):
-        reads[piece].append(rows.tolist())
+    def per_piece(calls: dict[int, list], pieces: torch.Tensor, rows: torch.Tensor) -> None:
+        for p in torch.unique(pieces).tolist():  # one call covers the tables of a group
+            calls[p].append(rows[pieces == p].tolist())
+
+    def read(pieces, rows):
+        per_piece(reads, pieces, rows)
         return torch.zeros(rows.numel(), 4)
 
-    shard = ShardIdMaps(tables, list(range(len(tables))), lambda p, r, w: resets[p].append(r.tolist()), read)
+    shard = ShardIdMaps(tables, list(range(len(tables))), lambda p, r, w: per_piece(resets, p, r), read)
     ref_resets: dict[int, list] = {t: [] for t in range(len(tables))}
     refs = {t: DynamicIdMap(local.spec.rows, local.table.dynamic,
                             reset=lambda r, i, t=t: ref_resets[t].append((r.tolist(), i)))
@@ -103,3 +108,26 @@ def test_lfu_victims_by_sorts_equal_the_packed_key():
     sorted_ = group._victims_sorted(tabs, torch.full_like(tabs, 20), movable, s["last"], s["uses"])
     assert packed[0].numel() > 0
     assert all(torch.equal(a, b) for a, b in zip(packed, sorted_, strict=True))
+
+
+def test_fresh_rows_of_several_pieces_equal_those_of_each():
+    tables = tables_for("lru", 1, 0.25)
+    ids = torch.tensor([5, -2**62, 2**40 + 3, 9], dtype=torch.int64)
+    group = [tables[0], tables[2], tables[5]]  # a, b, e: 1,500 rows, dim 4
+    which = torch.tensor([0, 2, 1, 0])
+    got = init_for_pieces(ids, torch.tensor([group[i].index for i in which.tolist()]),
+                          torch.tensor([group[i].col_start for i in which.tolist()]), 4, 1500, seed=7, init_scale=None)
+    for k, i in enumerate(which.tolist()):
+        assert torch.equal(got[k], init_for_ids(ids[k : k + 1], group[i], seed=7, init_scale=None)[0])
+
+
+def test_row_blocks_of_one_buffer_and_of_separate_tensors_agree():
+    buf = torch.arange(40.0).view(10, 4)
+    separate = [buf[:3].clone(), buf[3:].clone()]
+    one, apart = RowBlocks([buf[:3], buf[3:]]), RowBlocks(separate)
+    assert one.flat is not None and apart.flat is None
+    pieces, rows = torch.tensor([1, 0, 1]), torch.tensor([6, 2, 0])
+    assert torch.equal(one.read(pieces, rows), apart.read(pieces, rows))
+    one.write(pieces, rows, torch.full((3, 4), -1.0))
+    apart.write(pieces, rows, torch.full((3, 4), -1.0))
+    assert torch.equal(torch.cat(separate), buf) and float(buf[9].sum()) == -4.0

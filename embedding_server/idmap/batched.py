@@ -15,6 +15,8 @@ sketch counters each, n ids in a call (u distinct (table, id) pairs, k candidate
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from embedding_server.idmap.dynamic import (
@@ -30,6 +32,8 @@ from embedding_server.idmap.sketch import RESET_FACTOR, sketch_cells_of
 CLOCK, FREE, ADMITTED, EVICTED = (COUNTERS.index(n) for n in ("clock", "free", "admitted", "evicted"))
 NO_KEY = torch.iinfo(torch.int64).max
 """Sort key of rows that may not be evicted."""
+NO_INDEX = torch.iinfo(torch.int32).max
+"""A bucket no key aims at (the insert's scratch)."""
 
 
 def ranks_within(groups: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +58,10 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
     return si[first], st[first], inverse, torch.bincount(which, minlength=int(first.sum()))
 
 
+GroupReset = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""reset(tables [a], rows [a], ids [a]): rows of the group's tables given to new ids."""
+
+
 class MapGroup:
     """M maps of equal rows and settings, stacked.
 
@@ -63,16 +71,18 @@ class MapGroup:
         stacked: the maps' state as [M, ...] views: row_id, used, last, uses [M, R]; free
             [M, R - S]; counters [M, len(COUNTERS)]; table_counts [M, 2]; sketch_counts
             [M, d * W] and sketch_added [M] (when the maps count).
+        reset: fresh weights and optimizer state for rows given to new ids.
     """
 
     def __init__(self, maps: list[DynamicIdMap], keys: torch.Tensor, slots: torch.Tensor,
-                 stacked: dict[str, torch.Tensor]) -> None:
+                 stacked: dict[str, torch.Tensor], reset: GroupReset | None = None) -> None:
         m0 = maps[0]
         self.maps, self.cfg, self.rows, self.shared = maps, m0.cfg, m0.rows, m0.shared
         self.count, self.buckets = len(maps), m0.table.mask + 1
         self.keys, self.slots = keys, slots
-        self.s = stacked
+        self.s, self.reset = stacked, reset
         self.sketch = m0.sketch if has_sketch(self.cfg) else None
+        self.first = torch.full_like(slots, NO_INDEX, dtype=torch.int32)  # [M * H] scratch of _insert
 
     def admit(self, ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Rows of ids [n] not in their table's map (``tables`` [n]: the table of each, in the
@@ -143,10 +153,8 @@ class MapGroup:
         self._insert(chosen, tt, slots, n_t)
         self.s["row_id"][tt, slots], self.s["used"][tt, slots] = chosen, True
         self.s["last"][tt, slots], self.s["uses"][tt, slots] = clock, priority[taken]
-        sizes = n_t.tolist()
-        for m, r, i in zip(self.maps, slots.split(sizes), chosen.split(sizes), strict=True):
-            if r.numel() and m.reset is not None:  # fresh weights and optimizer state, per piece
-                m.reset(r, i)
+        if self.reset is not None:  # fresh weights and optimizer state, every table at once
+            self.reset(tt, slots, chosen)
         counters[:, ADMITTED] += n_t
         return taken, slots
 
@@ -154,7 +162,8 @@ class MapGroup:
         """Up to n[i] rows of table tabs[i] that the policy frees now, least recent first (lru,
         ttl) or least used, then least recent (lfu); ties: lowest row; ``below`` [len(tabs)]: lfu,
         only rows used fewer times -> (tables [v], rows [v], rank within its table [v])."""
-        last, used, uses = self.s["last"][tabs], self.s["used"][tabs], self.s["uses"][tabs]  # [m, R]
+        every = tabs.numel() == self.count  # tabs is 0..M-1: no copies
+        last, used, uses = ((self.s[n] if every else self.s[n][tabs]) for n in ("last", "used", "uses"))  # [m, R]
         if self.cfg.evict == "ttl":
             movable = used & (last <= clock - self.cfg.ttl_steps)
         else:
@@ -214,9 +223,9 @@ class MapGroup:
             free = self.slots[p] < 0
             # Keys aiming at one free bucket: the first (lowest index) takes it, the rest probe on.
             cand, cp = active[free], p[free]
-            buckets, inverse = torch.unique(cp, return_inverse=True)
-            first = torch.full_like(buckets, keys.numel()).scatter_reduce_(0, inverse, cand, "amin")
-            won = first[inverse] == cand
+            first = self.first.scatter_reduce_(0, cp, cand.to(torch.int32), "amin")  # [M * H]
+            won = first[cp] == cand
+            first[cp] = NO_INDEX  # the scratch back as it was
             wp, wk = cp[won], cand[won]
             reused = torch.bincount(tables[wk][self.slots[wp] == TOMBSTONE], minlength=self.count)
             counts[:, 1] -= reused

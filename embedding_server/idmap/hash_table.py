@@ -27,7 +27,7 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def mix64(ids: torch.Tensor, salt: int = 0) -> torch.Tensor:
+def mix64(ids: torch.Tensor, salt: int | torch.Tensor = 0) -> torch.Tensor:
     """splitmix64's finaliser of ``ids + salt``: int64 [n] -> well-mixed int64 [n] (wrapping
     arithmetic, the same on every machine)."""
     x = ids + (_GOLDEN + salt)

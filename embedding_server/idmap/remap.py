@@ -35,19 +35,26 @@ from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, p
 from embedding_server.idmap.sketch import sketch_cells
 from embedding_server.local_table import LocalTable
 
-RowReset = Callable[[int, torch.Tensor, torch.Tensor], None]
-"""reset(piece, rows [k], fresh weights [k, D]) on the shard's piece ``piece``."""
-RowRead = Callable[[int, torch.Tensor], torch.Tensor]
-"""read(piece, rows [k]) -> the piece's current weights of those rows, float [k, D] (a copy)."""
+RowReset = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""reset(pieces [k], rows [k], fresh weights [k, D]): row rows[i] of the shard's piece pieces[i]."""
+RowRead = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""read(pieces [k], rows [k]) -> the current weights of those rows, float [k, D] (a copy)."""
 
 
 def init_for_ids(ids: torch.Tensor, local: LocalTable, seed: int, init_scale: float | None) -> torch.Tensor:
     """Fresh weights of the piece's columns for ``ids`` [k] -> float [k, D_piece]."""
-    table, spec = local.table, local.spec
-    bound = init_scale if init_scale else math.sqrt(1.0 / table.rows)
-    cols = torch.arange(local.col_start, local.col_start + spec.dim, dtype=torch.int64)  # [D]
-    key = mix64(ids, salt=(seed * 1_000_003 + local.index) * 1_000_003)  # [k]
-    bits = mix64(key[:, None] + cols[None, :])  # [k, D]
+    where = torch.full_like(ids, local.index), torch.full_like(ids, local.col_start)
+    return init_for_pieces(ids, *where, local.spec.dim, local.table.rows, seed, init_scale)
+
+
+def init_for_pieces(ids: torch.Tensor, index: torch.Tensor, col_start: torch.Tensor, dim: int, rows: int, seed: int,
+                    init_scale: float | None) -> torch.Tensor:
+    """:func:`init_for_ids` of ids [k] of several pieces (of tables of equal rows, pieces of
+    equal dim): ``index`` [k] the table of each, ``col_start`` [k] its piece's first column."""
+    bound = init_scale if init_scale else math.sqrt(1.0 / rows)
+    cols = col_start[:, None] + torch.arange(dim, dtype=torch.int64)[None, :]  # [k, D]
+    key = mix64(ids, salt=(seed * 1_000_003 + index) * 1_000_003)  # [k]
+    bits = mix64(key[:, None] + cols)  # [k, D]
     unit = _shr(bits, 11).to(torch.float64) / float(1 << 53)  # uniform [0, 1)
     return ((unit * 2 - 1) * bound).to(torch.float32)
 
@@ -73,7 +80,7 @@ class ShardIdMaps:
             if local.row_start != 0 or local.spec.rows != local.table.rows:
                 raise ValueError(f"table {local.table.name}: dynamic ids need whole rows on one shard")
         # Maps of equal rows and settings are admitted together (``batched.py``): order them by group.
-        key_of = {t: (tables[t].spec.rows, tables[t].table.dynamic) for t in mine}
+        key_of = {t: (tables[t].spec.rows, tables[t].spec.dim, tables[t].table.dynamic) for t in mine}
         kinds = list(dict.fromkeys(key_of.values()))
         mine = sorted(mine, key=lambda t: kinds.index(key_of[t]))
         rows = [tables[t].spec.rows for t in mine]
@@ -105,7 +112,7 @@ class ShardIdMaps:
 
     def _group(self, members: list[int], first: int, h: int, reset: RowReset, read: RowRead, seed: int,
                init_scale: float | None) -> MapGroup:
-        """The maps of tables ``members`` (equal rows R and settings; maps first.. of the shard),
+        """The maps of tables ``members`` (equal rows R, dim and settings; maps first.. of the shard),
         their state stacked [M, ...] in views of the side-by-side buffers (``h``: H of each)."""
         m, last = len(members), first + len(members)
         local = self.tables[members[0]]
@@ -129,14 +136,28 @@ class ShardIdMaps:
                 views["sketch_counts"] = views["sketch_counts"].view(4, width)
             self.maps[t] = DynamicIdMap(r, cfg, self._resetter(t, reset, read, seed, init_scale), views)
             maps.append(self.maps[t])
-        return MapGroup(maps, keys, slots, stacked)
+        return MapGroup(maps, keys, slots, stacked, self._group_resetter(members, reset, read, seed, init_scale))
 
     def _resetter(self, t: int, reset: RowReset, read: RowRead, seed: int, init_scale: float | None):
-        local = self.tables[t]
+        """reset(rows [k], ids [k]) of the map of piece t."""
+        group = self._group_resetter([t], reset, read, seed, init_scale)
+        return lambda rows, ids: group(torch.zeros_like(rows), rows, ids)
+
+    def _group_resetter(self, members: list[int], reset: RowReset, read: RowRead, seed: int,
+                        init_scale: float | None):
+        """reset(tables [k], rows [k], ids [k]) of a group of maps (pieces ``members``, of equal
+        rows, dim and settings): every fresh row of a step in one read and one write."""
+        pieces = torch.tensor(members, dtype=torch.int64)  # [M]
+        local = self.tables[members[0]]
         if local.table.dynamic.start_from_shared:
             shared = local.table.shared_row_count
-            return lambda rows, ids: reset(t, rows, read(t, shared_rows_of(ids, shared)))
-        return lambda rows, ids: reset(t, rows, init_for_ids(ids, local, seed, init_scale))
+            return lambda g, rows, ids: reset(pieces[g], rows, read(pieces[g], shared_rows_of(ids, shared)))
+
+        index = torch.tensor([self.tables[t].index for t in members], dtype=torch.int64)  # [M]
+        col_start = torch.tensor([self.tables[t].col_start for t in members], dtype=torch.int64)  # [M]
+        dim, rows = local.spec.dim, local.table.rows
+        return lambda g, r, ids: reset(pieces[g], r, init_for_pieces(ids, index[g], col_start[g], dim, rows, seed,
+                                                                     init_scale))
 
     def __bool__(self) -> bool:
         return bool(self.maps)
