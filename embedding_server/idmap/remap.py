@@ -4,8 +4,9 @@
 their raw 64-bit ids replaced by rows, hashed tables' ids pass untouched, and the fused TBE call
 then runs on rows as before. The maps' hash tables and row statistics are views into buffers
 laid side by side, so the ids of every dynamic table are found, and the known ones' rows
-touched, in one probe over the whole batch; only tables with new ids do work of their own
-(admission, eviction).
+touched, in one probe over the whole batch; the new ids of every table of a group (tables of
+equal rows, dim and settings: ``batched.py``) are then admitted, and rows evicted and reset, in
+one set of tensor ops, not a loop over the tables.
 A lookup with gradients enabled is a training lookup (admits, evicts); one without (evaluation,
 serving) only reads.
 
@@ -32,7 +33,7 @@ from embedding_server.idmap.dynamic import (
     sketch_width,
 )
 from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, probe
-from embedding_server.idmap.sketch import sketch_cells
+from embedding_server.idmap.sketch import DEPTH, sketch_cells
 from embedding_server.local_table import LocalTable
 
 RowReset = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -125,7 +126,7 @@ class ShardIdMaps:
                    "table_counts": torch.zeros(m, 2, dtype=torch.int64)}
         width = sketch_cells(sketch_width(r))
         if has_sketch(cfg):
-            stacked.update(sketch_counts=torch.zeros(m, 4 * width, dtype=torch.int32),
+            stacked.update(sketch_counts=torch.zeros(m, DEPTH * width, dtype=torch.int32),
                            sketch_added=torch.zeros(m, dtype=torch.int64))
         keys, slots = self.keys[h0 : h0 + m * h], self.slots[h0 : h0 + m * h]
         maps = []
@@ -133,7 +134,7 @@ class ShardIdMaps:
             views = {k: v[i] for k, v in stacked.items()}
             views.update(keys=keys[i * h : (i + 1) * h], slots=slots[i * h : (i + 1) * h])
             if has_sketch(cfg):
-                views["sketch_counts"] = views["sketch_counts"].view(4, width)
+                views["sketch_counts"] = views["sketch_counts"].view(DEPTH, width)
             self.maps[t] = DynamicIdMap(r, cfg, self._resetter(t, reset, read, seed, init_scale), views)
             maps.append(self.maps[t])
         return MapGroup(maps, keys, slots, stacked, self._group_resetter(members, reset, read, seed, init_scale))

@@ -14,6 +14,8 @@ import torch
 
 from embedding_server.idmap.hash_table import mix64
 
+DEPTH = 4
+"""Rows (hashes) of a sketch."""
 RESET_FACTOR = 2
 """Increments per counter (on average) between two halvings: low, so that collisions add little
 to an estimate (TinyLFU's sample is 10x its cache; our sketch is wider instead)."""
@@ -42,7 +44,7 @@ class CountMinSketch:
         (tensor([3, 1], dtype=torch.int32), False)
     """
 
-    def __init__(self, width: int, depth: int = 4, counts: torch.Tensor | None = None,
+    def __init__(self, width: int, depth: int = DEPTH, counts: torch.Tensor | None = None,
                  added: torch.Tensor | None = None) -> None:
         self.width = sketch_cells(width)  # W, a power of two
         self.depth = depth
