@@ -9,7 +9,8 @@
      (a) one process (``Trainer.train_step`` on the in-process fbgemm shard), the systems
          interleaved over rounds, medians quoted;
      (b) E2,T2: 2 embedding servers + 2 trainers as local processes over Gloo (as
-         distributed_throughput.py launches them, --pipeline exact), one launch per system.
+         distributed_throughput.py launches them, --pipeline exact), one launch per system and
+         round, interleaved, medians quoted.
    Reported: samples/s, cost vs hashed, ids admitted and evicted per timed step (all tables),
    whether the tables were full when timing began.
 2. Bounded memory: a stream of 10M distinct ids (one table of 100k rows, 200k ids a step, a tenth
@@ -17,7 +18,7 @@
    capacity) and the process's RSS over the stream.
 
 Usage: python bench/dynamic_ids.py [--rows 20000] [--vocab 1000000] [--steps 15] [--rounds 2]
-       [--skip memory,single,dist]
+       [--dist-rounds 2] [--skip memory,single,dist]
 Writes bench/results/dynamic_ids.{json,md}.
 """
 
@@ -197,20 +198,27 @@ def dist_rank(rank: int, name: str, args, port: int, out: str) -> None:
 
 
 def distributed(args) -> dict:
-    """(b) E2,T2, one launch per system."""
+    """(b) E2,T2, one launch per system and round, the systems interleaved; medians of the
+    rounds' median steps."""
     from dense_trainer.distributed import free_port
 
+    runs: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+    for r in range(args.dist_rounds):
+        for name in SYSTEMS:
+            print(f"E2,T2 round {r + 1}/{args.dist_rounds}: {name}", file=sys.stderr, flush=True)
+            path = Path(tempfile.mkdtemp()) / "result.json"
+            mp.start_processes(dist_rank, args=(name, args, free_port(), str(path)), nprocs=4, start_method="spawn",
+                               join=True)
+            ranks = json.loads(path.read_text())
+            warm = {k: v for r in ranks[2:] for k, v in r["warm"].items()}
+            end = {k: v for r in ranks[2:] for k, v in r["end"].items()}
+            runs[name].append({"step": statistics.median(ranks[0]["step_s"]),
+                               **churn(totals(warm), totals(end), args.steps, capacity(args))})
     out = {}
-    for name in SYSTEMS:
-        print(f"E2,T2: {name}", file=sys.stderr, flush=True)
-        path = Path(tempfile.mkdtemp()) / "result.json"
-        mp.start_processes(dist_rank, args=(name, args, free_port(), str(path)), nprocs=4, start_method="spawn", join=True)
-        ranks = json.loads(path.read_text())
-        step = statistics.median(ranks[0]["step_s"])
-        warm = {k: v for r in ranks[2:] for k, v in r["warm"].items()}
-        end = {k: v for r in ranks[2:] for k, v in r["end"].items()}
-        out[name] = {"samples_per_s": BATCH / step, "step_ms": 1e3 * step,
-                     **churn(totals(warm), totals(end), args.steps, capacity(args))}
+    for name, rs in runs.items():
+        step = statistics.median(x["step"] for x in rs)
+        out[name] = {"samples_per_s": BATCH / step, "step_ms": 1e3 * step, "round_step_ms": [1e3 * x["step"] for x in rs],
+                     **{k: v for k, v in rs[-1].items() if k != "step"}}
     return with_cost(out)
 
 
@@ -239,6 +247,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=15, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=25, help="steps that fill the tables before timing")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the one-process systems")
+    p.add_argument("--dist-rounds", type=int, default=2, help="launches of each E2,T2 system")
     p.add_argument("--stream-ids", type=int, default=10_000_000)
     p.add_argument("--skip", default="", help="comma-separated parts not to run: memory, single, dist")
     p.add_argument("--out", type=Path, default=HERE / "results")
@@ -246,7 +255,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "vocab": args.vocab, "steps": args.steps,
-              "warmup": args.warmup, "rounds": args.rounds, "loadavg_start": os.getloadavg()[0]}
+              "warmup": args.warmup, "rounds": args.rounds, "dist_rounds": args.dist_rounds, "loadavg_start": os.getloadavg()[0]}
     if "memory" not in skip:
         result["memory"] = memory(args)
     if "single" not in skip:
@@ -267,7 +276,8 @@ def render(r: dict) -> str:
              f"Zipf(1.05) ids over {r['vocab']:,} values per table; {r['warmup']} warm-up steps fill the "
              f"tables, then every step admits and evicts", ""]
     for part, label in (("single", f"one process, medians of {r['rounds']} rounds x {r['steps']} steps"),
-                        ("E2,T2", f"2 servers + 2 trainers, --pipeline exact, median of {r['steps']} steps")):
+                        ("E2,T2", f"2 servers + 2 trainers, --pipeline exact, medians of {r['dist_rounds']} "
+                                  f"launches x {r['steps']} steps")):
         if part not in r:
             continue
         lines += [f"{part} ({label}):", "",
