@@ -1,14 +1,24 @@
-"""Dynamic ids: their throughput cost against hashed ids, and their bounded memory.
+"""Dynamic ids: their throughput cost against hashed ids while ids churn, and their bounded memory.
 
-1. Training throughput, one process (``Trainer.train_step`` on the in-process fbgemm shard):
-   26 tables x ROWS rows, dim 64, batch 2048, the train_throughput.py workload, ids Zipf(1.05)
-   over a vocabulary of VOCAB_FACTOR x ROWS per table; hashed (id % rows) against dynamic
-   (``evict`` lru / lfu) on the very same raw ids, interleaved over rounds, medians quoted.
+1. Training throughput with churning ids: 26 tables x ROWS rows (default 20k), dim 64, batch
+   2048, the train_throughput.py model, ids Zipf(1.05) over VOCAB values per table (default 1M:
+   the tables hold a few percent of the vocabulary). Hashed (id % rows) against dynamic (``evict``
+   lru / lfu, the config's admission and shared rows) on the very same raw ids. A warm-up fills
+   the tables; every timed step then admits new ids and evicts old ones (every batch is a fresh
+   draw, none repeats). Measured in
+     (a) one process (``Trainer.train_step`` on the in-process fbgemm shard), the systems
+         interleaved over rounds, medians quoted;
+     (b) E2,T2: 2 embedding servers + 2 trainers as local processes over Gloo (as
+         distributed_throughput.py launches them, --pipeline exact), one launch per system and
+         round, interleaved, medians quoted.
+   Reported: samples/s, cost vs hashed, ids admitted and evicted per timed step (all tables),
+   whether the tables were full when timing began.
 2. Bounded memory: a stream of 10M distinct ids (one table of 100k rows, 200k ids a step, a tenth
    of them seen twice) through ``DynamicIdMap``: rows used after every step (never above the
    capacity) and the process's RSS over the stream.
 
-Usage: python bench/dynamic_ids.py [--rows 100000] [--steps 20] [--rounds 2]
+Usage: python bench/dynamic_ids.py [--rows 20000] [--vocab 1000000] [--steps 15] [--rounds 2]
+       [--dist-rounds 2] [--skip memory,single,dist]
 Writes bench/results/dynamic_ids.{json,md}.
 """
 
@@ -16,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
@@ -25,11 +36,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 T, DIM, BATCH, NUM_DENSE = 26, 64, 2048, 13
+SYSTEMS = {"hashed": {}, "dynamic, lru": {"ids": "dynamic", "evict": "lru"},
+           "dynamic, lfu": {"ids": "dynamic", "evict": "lfu"}}
+"""Name -> the [embedding] settings of that system (hashed: none)."""
 
 
 def make_batches(vocab: int, rows: int, n: int, seed: int = 0):
@@ -51,44 +67,159 @@ def make_batches(vocab: int, rows: int, n: int, seed: int = 0):
     return raw, hashed
 
 
-def trainer_for(rows: int, ids: dict):
+def bench_config(rows: int, ids: dict, servers: int = 0, trainers: int = 1):
     from dense_trainer.config import load_config
-    from dense_trainer.train import Trainer
 
-    cfg = load_config(None, [{
+    return load_config(None, [{
         "embedding": {"dim": DIM, "hash_size": rows, "optimizer": {"kind": "rowwise_adagrad", "lr": 0.05}, **ids},
         "model": {"dense_arch_layer_sizes": [512, 256], "over_arch_layer_sizes": [512, 256]},
         "train": {"batch_size": BATCH, "progress": False},
+        "dist": {"embedding_servers": servers, "trainers": trainers},
     }])
-    return Trainer(cfg, Path(tempfile.mkdtemp()))
 
 
-def throughput(args) -> dict:
-    batches, hashed = make_batches(args.rows * args.vocab_factor, args.rows, args.batches)
-    systems = {"hashed": ({}, hashed), "dynamic, lru": ({"ids": "dynamic", "evict": "lru"}, batches),
-               "dynamic, lfu": ({"ids": "dynamic", "evict": "lfu"}, batches)}
-    trainers = {name: trainer_for(args.rows, ids) for name, (ids, _) in systems.items()}
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for name, (_, data) in systems.items():  # warm-up: fill the tables
+def totals(stats: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Sums over the tables of rows_used, admitted, evicted (empty: no dynamic table)."""
+    if not stats:
+        return {}
+    return {k: sum(s[k] for s in stats.values()) for k in ("rows_used", "admitted", "evicted")}
+
+
+def churn(before: dict[str, int], after: dict[str, int], steps: int, capacity: int | None) -> dict:
+    """Ids admitted / evicted per timed step, and whether the tables were full when timing began."""
+    if not before:
+        return {"admitted_per_step": None, "evicted_per_step": None, "full_at_start": None}
+    return {"admitted_per_step": (after["admitted"] - before["admitted"]) / steps,
+            "evicted_per_step": (after["evicted"] - before["evicted"]) / steps,
+            "full_at_start": before["rows_used"] >= capacity}
+
+
+def single(args) -> dict:
+    """(a) One process, the systems interleaved over rounds on the same fresh batches."""
+    from dense_trainer.train import Trainer
+
+    raw, hashed = make_batches(args.vocab, args.rows, args.warmup + args.rounds * args.steps)
+    trainers = {name: Trainer(bench_config(args.rows, ids), Path(tempfile.mkdtemp())) for name, ids in SYSTEMS.items()}
+    data = {name: hashed if not ids else raw for name, ids in SYSTEMS.items()}
+    for name, trainer in trainers.items():  # warm-up: fill the tables
         for i in range(args.warmup):
-            trainers[name].train_step(data[i % len(data)])
-    for _ in range(args.rounds):
-        for name, (_, data) in systems.items():
-            for i in range(args.steps):
+            trainer.train_step(data[name][i])
+    before = {name: totals(t.client.id_stats()) for name, t in trainers.items()}
+    times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    for r in range(args.rounds):
+        for name, trainer in trainers.items():
+            for i in range(args.warmup + r * args.steps, args.warmup + (r + 1) * args.steps):
                 t0 = time.perf_counter()
-                trainers[name].train_step(data[i % len(data)])
+                trainer.train_step(data[name][i])
                 times[name].append(time.perf_counter() - t0)
     out = {}
-    for name in systems:
+    for name, trainer in trainers.items():
         step = statistics.median(times[name])
-        stats = trainers[name].client.id_stats()
+        after = totals(trainer.client.id_stats())
         out[name] = {"samples_per_s": BATCH / step, "step_ms": 1e3 * step,
-                     "rows_used_C1": stats.get("C1", {}).get("rows_used"),
-                     "evicted_C1": stats.get("C1", {}).get("evicted")}
+                     **churn(before[name], after, args.rounds * args.steps, capacity(args))}
+    return with_cost(out)
+
+
+def capacity(args) -> int:
+    """Rows of all the tables (ids + shared rows): what rows_used reaches when they are full."""
+    return T * args.rows
+
+
+def with_cost(out: dict) -> dict:
     base = out["hashed"]["samples_per_s"]
-    for name in systems:
-        out[name]["cost_vs_hashed"] = 1 - out[name]["samples_per_s"] / base
+    for row in out.values():
+        row["cost_vs_hashed"] = 1 - row["samples_per_s"] / base
     return out
+
+
+def snapshot_after(shard, clock: int, store: dict) -> None:
+    """Record the shard's id stats once its maps have made ``clock`` training lookups (the end of
+    the warm-up, seen from a server)."""
+    remap = shard.id_maps.remap
+
+    def recording(sparse, train):
+        out = remap(sparse, train)
+        if train and int(shard.id_maps.counters[0, 0]) == clock:  # COUNTERS[0]: clock
+            store.update(shard.id_stats())
+        return out
+
+    shard.id_maps.remap = recording
+
+
+def dist_rank(rank: int, name: str, args, port: int, out: str) -> None:
+    """One rank of E2,T2: ranks 0-1 trainers, 2-3 embedding servers."""
+    from dense_trainer.distributed import rank_threads
+    from dense_trainer.train import Trainer
+    from embedding_server.cluster import Roles, join
+    from embedding_server.dist_client import DistributedEmbeddingClient
+    from embedding_server.planner import plan_sharding, wire_id_bound
+    from embedding_server.server import EmbeddingServer
+    from embedding_server.transport import open_transport
+    from embedding_server.wire import ids_dtype
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="4")
+    roles = Roles(2, 2)
+    cluster = join(roles, 120, rank)
+    torch.set_num_threads(rank_threads(roles, rank))
+    cfg = bench_config(args.rows, SYSTEMS[name], 2, 2)
+    spec = cfg.feature_spec()
+    plan = plan_sharding(spec, 2, "rowwise_adagrad", "auto")
+    cluster.transport = open_transport(cluster, ids_dtype(wire_id_bound(plan, spec)))
+    total = args.warmup + args.steps
+    if cluster.is_trainer:
+        client = DistributedEmbeddingClient(cluster, plan, spec, 0.5, "fp32", corrected=True)
+        trainer = Trainer(cfg, Path(tempfile.mkdtemp()), client=client, cluster=cluster)
+        raw, hashed = make_batches(args.vocab, args.rows, total)
+        data = [b.share(rank, 2) for b in (raw if SYSTEMS[name] else hashed)]
+        times = []
+        for i in range(total):
+            ahead = data[i + 1].sparse if i + 1 < total else None
+            t0 = time.perf_counter()
+            trainer.train_step(data[i], BATCH, ahead)
+            times.append(time.perf_counter() - t0)
+        client.close()
+        stats = [None] * 4 if rank == 0 else None
+        dist.gather_object({"step_s": times[args.warmup:]}, stats, dst=0)
+    else:
+        server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp()))
+        warm: dict = {}
+        for shard in server.shards:
+            if shard.id_maps:
+                snapshot_after(shard, args.warmup, warm)
+        server.serve()
+        ends = server.shard.id_stats() if server.shard is not None else {}
+        dist.gather_object({"warm": warm, "end": ends}, None, dst=0)
+    if rank == 0:
+        Path(out).write_text(json.dumps(stats))
+    dist.barrier()
+    cluster.heartbeat.close()  # not inside a store call when the process ends
+    dist.destroy_process_group()
+
+
+def distributed(args) -> dict:
+    """(b) E2,T2, one launch per system and round, the systems interleaved; medians of the
+    rounds' median steps."""
+    from dense_trainer.distributed import free_port
+
+    runs: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+    for r in range(args.dist_rounds):
+        for name in SYSTEMS:
+            print(f"E2,T2 round {r + 1}/{args.dist_rounds}: {name}", file=sys.stderr, flush=True)
+            path = Path(tempfile.mkdtemp()) / "result.json"
+            mp.start_processes(dist_rank, args=(name, args, free_port(), str(path)), nprocs=4, start_method="spawn",
+                               join=True)
+            ranks = json.loads(path.read_text())
+            warm = {k: v for r in ranks[2:] for k, v in r["warm"].items()}
+            end = {k: v for r in ranks[2:] for k, v in r["end"].items()}
+            runs[name].append({"step": statistics.median(ranks[0]["step_s"]),
+                               **churn(totals(warm), totals(end), args.steps, capacity(args))})
+    out = {}
+    for name, rs in runs.items():
+        step = statistics.median(x["step"] for x in rs)
+        out[name] = {"samples_per_s": BATCH / step, "step_ms": 1e3 * step, "round_step_ms": [1e3 * x["step"] for x in rs],
+                     **{k: v for k, v in rs[-1].items() if k != "step"}}
+    return with_cost(out)
 
 
 def memory(args) -> dict:
@@ -111,18 +242,27 @@ def memory(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--vocab-factor", type=int, default=10, help="vocabulary per table, in table rows")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--batches", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rows", type=int, default=20_000, help="rows per table (dynamic: its capacity)")
+    p.add_argument("--vocab", type=int, default=1_000_000, help="distinct ids per table")
+    p.add_argument("--steps", type=int, default=15, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=25, help="steps that fill the tables before timing")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the one-process systems")
+    p.add_argument("--dist-rounds", type=int, default=2, help="launches of each E2,T2 system")
     p.add_argument("--stream-ids", type=int, default=10_000_000)
+    p.add_argument("--skip", default="", help="comma-separated parts not to run: memory, single, dist")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "vocab_factor": args.vocab_factor,
-              "memory": memory(args), "throughput": throughput(args)}
+    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "vocab": args.vocab, "steps": args.steps,
+              "warmup": args.warmup, "rounds": args.rounds, "dist_rounds": args.dist_rounds, "loadavg_start": os.getloadavg()[0]}
+    if "memory" not in skip:
+        result["memory"] = memory(args)
+    if "single" not in skip:
+        result["single"] = single(args)
+    if "dist" not in skip:
+        result["E2,T2"] = distributed(args)
+    result["loadavg_end"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "dynamic_ids.json").write_text(json.dumps(result, indent=2) + "\n")
     md = render(result)
@@ -131,17 +271,31 @@ def main() -> None:
 
 
 def render(r: dict) -> str:
-    lines = [f"Dynamic ids ({r['date']}): one process, 26 tables x {r['rows']:,} rows, dim {DIM}, batch {BATCH}, "
-             f"Zipf(1.05) ids over {r['vocab_factor']}x the rows per table", "",
-             "| ids | samples/s | step ms | cost vs hashed | C1 rows used | C1 evicted |", "|---|---:|---:|---:|---:|---:|"]
-    for name, t in r["throughput"].items():
-        lines.append(f"| {name} | {t['samples_per_s']:,.0f} | {t['step_ms']:.1f} | {100 * t['cost_vs_hashed']:.1f}% | "
-                     f"{t['rows_used_C1'] or '-'} | {t['evicted_C1'] if t['evicted_C1'] is not None else '-'} |")
-    m = r["memory"]
-    lines += ["", f"Bounded memory: {m['distinct_ids']:,} distinct ids into a {m['capacity']:,}-row table: "
-              f"at most {m['max_rows_used']:,} rows used, {m['admitted']:,} admitted, {m['evicted']:,} evicted; "
-              f"peak RSS {m['peak_rss_mb_after_first_quarter']:,.0f} MB after a quarter of the stream, "
-              f"{m['peak_rss_mb_at_end']:,.0f} MB at its end ({m['seconds']:.1f}s)."]
+    lines = [f"Dynamic ids ({r['date']}; 1-min load average {r['loadavg_start']:.2f} at the start, "
+             f"{r['loadavg_end']:.2f} at the end): 26 tables x {r['rows']:,} rows, dim {DIM}, batch {BATCH}, "
+             f"Zipf(1.05) ids over {r['vocab']:,} values per table; {r['warmup']} warm-up steps fill the "
+             f"tables, then every step admits and evicts", ""]
+    for part, label in (("single", f"one process, medians of {r['rounds']} rounds x {r['steps']} steps"),
+                        ("E2,T2", f"2 servers + 2 trainers, --pipeline exact, medians of {r['dist_rounds']} "
+                                  f"launches x {r['steps']} steps")):
+        if part not in r:
+            continue
+        lines += [f"{part} ({label}):", "",
+                  "| ids | samples/s | step ms | cost vs hashed | admitted / step | evicted / step | full at start |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for name, t in r[part].items():
+            adm = "-" if t["admitted_per_step"] is None else f"{t['admitted_per_step']:,.0f}"
+            ev = "-" if t["evicted_per_step"] is None else f"{t['evicted_per_step']:,.0f}"
+            full = "-" if t["full_at_start"] is None else ("yes" if t["full_at_start"] else "no")
+            lines.append(f"| {name} | {t['samples_per_s']:,.0f} | {t['step_ms']:.1f} | {100 * t['cost_vs_hashed']:.1f}% "
+                         f"| {adm} | {ev} | {full} |")
+        lines.append("")
+    if "memory" in r:
+        m = r["memory"]
+        lines += [f"Bounded memory: {m['distinct_ids']:,} distinct ids into a {m['capacity']:,}-row table: "
+                  f"at most {m['max_rows_used']:,} rows used, {m['admitted']:,} admitted, {m['evicted']:,} evicted; "
+                  f"peak RSS {m['peak_rss_mb_after_first_quarter']:,.0f} MB after a quarter of the stream, "
+                  f"{m['peak_rss_mb_at_end']:,.0f} MB at its end ({m['seconds']:.1f}s)."]
     return "\n".join(lines) + "\n"
 
 

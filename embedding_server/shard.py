@@ -22,6 +22,7 @@ from embedding_server.client import EmbeddingClient
 from embedding_server.idmap.remap import ShardIdMaps
 from embedding_server.local_table import LocalTable, init_rows
 from embedding_server.optimizers import SparseOptimizerConfig, state_shapes
+from embedding_server.row_blocks import RowBlocks
 from embedding_server.table_checkpoint import CheckpointTables
 from embedding_server.table_snapshot import CutRequest, TouchedRows, snapshot_tables
 from embedding_server.tbe import TBEKernel, fbgemm_supports
@@ -104,7 +105,7 @@ class EmbeddingShard(nn.Module):
         self.touched = TouchedRows([t.spec.rows for t in tables])
         """Rows trained (what checkpoints write: ``table_snapshot.py``)."""
         # Dynamic tables: raw ids -> rows before the kernels (admission, eviction, row resets).
-        self._views: tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]] | None = None
+        self._blocks: tuple[RowBlocks, dict[str, RowBlocks]] | None = None
         self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, self._read_rows, seed, init_scale)
 
     @property
@@ -122,23 +123,28 @@ class EmbeddingShard(nn.Module):
             for name, tensor in state.items():
                 tensor.fill_(start if name == "momentum1" else 0.0)
 
-    @torch.no_grad()
-    def _read_rows(self, piece: int, rows: torch.Tensor) -> torch.Tensor:
-        """Current weights of rows [k] of a piece, float [k, D] (a copy)."""
-        if self._views is None:  # the kernels' storage never moves: views stay valid
-            self._views = (self._table_views(), self._state_views())
-        return self._views[0][piece][rows]
+    def _row_blocks(self) -> tuple[RowBlocks, dict[str, RowBlocks]]:
+        """Every piece's weights, and each optimizer state, as :class:`RowBlocks` (made once: the
+        kernels' storage never moves, so the views stay valid)."""
+        if self._blocks is None:
+            states = self._state_views()
+            self._blocks = (RowBlocks(self._table_views()),
+                            {name: RowBlocks([s[name] for s in states]) for name in (states[0] if states else {})})
+        return self._blocks
 
     @torch.no_grad()
-    def _reset_rows(self, piece: int, rows: torch.Tensor, fresh: torch.Tensor) -> None:
-        """Rows [k] of a piece given to new ids: weights ``fresh`` [k, D], optimizer state as new."""
-        if self._views is None:  # the kernels' storage never moves: views stay valid
-            self._views = (self._table_views(), self._state_views())
-        weights, states = self._views
-        weights[piece][rows] = fresh
+    def _read_rows(self, pieces: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Current weights of rows [k] of pieces [k] (of one dim D), float [k, D] (a copy)."""
+        return self._row_blocks()[0].read(pieces, rows)
+
+    @torch.no_grad()
+    def _reset_rows(self, pieces: torch.Tensor, rows: torch.Tensor, fresh: torch.Tensor) -> None:
+        """Rows [k] of pieces [k] given to new ids: weights ``fresh`` [k, D], optimizer state as new."""
+        weights, states = self._row_blocks()
+        weights.write(pieces, rows, fresh)
         start = self.optimizer_config.initial_accumulator
-        for name, tensor in states[piece].items():
-            tensor[rows] = start if name == "momentum1" else 0.0
+        for name, blocks in states.items():
+            blocks.write(pieces, rows, start if name == "momentum1" else 0.0)
 
     def _table_rank(self, feature: int) -> int:
         """Order of a feature's table among the tables, by first use."""

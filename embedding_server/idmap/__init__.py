@@ -8,6 +8,8 @@ modulo) and its shard maps them to rows before the fused kernel runs:
     dynamic.py      DynamicIdMap: one table's map: admission (admit_after), eviction (lru / lfu /
                     ttl), the hashed shared rows, counters; fixed-size tensors throughout
     remap.py        ShardIdMaps: a shard's maps applied to a lookup's ids, fresh rows for new ids
+    batched.py      MapGroup: admission and eviction of a group of a shard's maps in one set of
+                    tensor ops (the same decisions as one DynamicIdMap per table)
 
 Hashed tables never come here: their rows are ``id % rows`` from the featuriser, as always.
 """

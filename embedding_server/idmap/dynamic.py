@@ -45,6 +45,11 @@ def sketch_width(rows: int) -> int:
     counts of a table's candidates are not drowned in collisions; 16 MB at most)."""
     return min(max(2 * rows, 1 << 16), 1 << 20)
 
+def has_sketch(cfg: DynamicIds) -> bool:
+    """Whether a map counts occurrences (admission after more than one, or lfu's comparisons)."""
+    return cfg.admit_after > 1 or cfg.evict == "lfu"
+
+
 SHARED_SALT = 2
 """Salt of the hash that picks an id's shared row (independent of the hash table's and the sketch's)."""
 
@@ -77,14 +82,17 @@ class DynamicIdMap:
                  storage: dict[str, torch.Tensor] | None = None) -> None:
         self.rows, self.cfg, self.reset = rows, cfg, reset
         self.shared = shared_row_count(rows, cfg)  # S
+        # storage: views to use (of a shard's maps laid side by side, ``remap.py``), fresh and zero.
         views = storage or {}
-        self.table = IdHashTable(rows - self.shared, views.get("keys"), views.get("slots"))
-        self.sketch = CountMinSketch(sketch_width(rows)) if cfg.admit_after > 1 or cfg.evict == "lfu" else None
-        self.row_id = torch.zeros(rows, dtype=torch.int64)  # [R] the id each row holds
-        self.used = torch.zeros(rows, dtype=torch.bool)  # [R] shared rows are never "used" by an id
+        self.table = IdHashTable(rows - self.shared, views.get("keys"), views.get("slots"), views.get("table_counts"))
+        self.sketch = (CountMinSketch(sketch_width(rows), counts=views.get("sketch_counts"), added=views.get("sketch_added"))
+                       if has_sketch(cfg) else None)
+        self.row_id = views.get("row_id", torch.zeros(rows, dtype=torch.int64))  # [R] the id each row holds
+        self.used = views.get("used", torch.zeros(rows, dtype=torch.bool))  # [R] shared rows are never "used" by an id
         self.last = views.get("last", torch.zeros(rows, dtype=torch.int64))  # [R] clock of the last training use
         self.uses = views.get("uses", torch.zeros(rows, dtype=torch.int64))  # [R] training lookups since admission
-        self.free = torch.arange(rows - 1, self.shared - 1, -1, dtype=torch.int64)  # [R - S] stack, top last
+        self.free = views.get("free", torch.empty(rows - self.shared, dtype=torch.int64))  # [R - S] stack, top last
+        self.free.copy_(torch.arange(rows - 1, self.shared - 1, -1, dtype=torch.int64))
         self.counters = views.get("counters", torch.zeros(len(COUNTERS), dtype=torch.int64))
         self.counters[COUNTERS.index("free")] = rows - self.shared
 

@@ -27,7 +27,7 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def mix64(ids: torch.Tensor, salt: int = 0) -> torch.Tensor:
+def mix64(ids: torch.Tensor, salt: int | torch.Tensor = 0) -> torch.Tensor:
     """splitmix64's finaliser of ``ids + salt``: int64 [n] -> well-mixed int64 [n] (wrapping
     arithmetic, the same on every machine)."""
     x = ids + (_GOLDEN + salt)
@@ -81,13 +81,31 @@ class IdHashTable:
         tensor([ 2, -1,  1])
     """
 
-    def __init__(self, capacity: int, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> None:
+    def __init__(self, capacity: int, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                 counts: torch.Tensor | None = None) -> None:
         size = buckets_for(capacity)
         self.mask = size - 1
         self.keys = torch.zeros(size, dtype=torch.int64) if keys is None else keys  # [H]
         self.slots = torch.full((size,), EMPTY, dtype=torch.int64) if slots is None else slots  # [H]
-        self.live = 0
-        self.tombstones = 0
+        self.counts = torch.zeros(2, dtype=torch.int64) if counts is None else counts  # [2] live, tombstones
+
+    @property
+    def live(self) -> int:
+        """Keys held."""
+        return int(self.counts[0])
+
+    @live.setter
+    def live(self, value: int) -> None:
+        self.counts[0] = value
+
+    @property
+    def tombstones(self) -> int:
+        """Deleted buckets not yet reused."""
+        return int(self.counts[1])
+
+    @tombstones.setter
+    def tombstones(self, value: int) -> None:
+        self.counts[1] = value
 
     def _home(self, keys: torch.Tensor) -> torch.Tensor:
         return mix64(keys) & self.mask
@@ -150,9 +168,9 @@ class IdHashTable:
 
     def state(self) -> dict[str, torch.Tensor]:
         """The buckets and counters as tensors (views), for checkpoints."""
-        return {"keys": self.keys, "slots": self.slots, "counts": torch.tensor([self.live, self.tombstones])}
+        return {"keys": self.keys, "slots": self.slots, "counts": self.counts}
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         self.keys.copy_(state["keys"])
         self.slots.copy_(state["slots"])
-        self.live, self.tombstones = (int(v) for v in state["counts"])
+        self.counts.copy_(state["counts"])

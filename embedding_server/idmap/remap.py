@@ -4,8 +4,9 @@
 their raw 64-bit ids replaced by rows, hashed tables' ids pass untouched, and the fused TBE call
 then runs on rows as before. The maps' hash tables and row statistics are views into buffers
 laid side by side, so the ids of every dynamic table are found, and the known ones' rows
-touched, in one probe over the whole batch; only tables with new ids do work of their own
-(admission, eviction).
+touched, in one probe over the whole batch; the new ids of every table of a group (tables of
+equal rows, dim and settings: ``batched.py``) are then admitted, and rows evicted and reset, in
+one set of tensor ops, not a loop over the tables.
 A lookup with gradients enabled is a training lookup (admits, evicts); one without (evaluation,
 serving) only reads.
 
@@ -23,23 +24,38 @@ import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import shared_row_count
-from embedding_server.idmap.dynamic import COUNTERS, DynamicIdMap, shared_rows_of
+from embedding_server.idmap.batched import MapGroup
+from embedding_server.idmap.dynamic import (
+    COUNTERS,
+    DynamicIdMap,
+    has_sketch,
+    shared_rows_of,
+    sketch_width,
+)
 from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, probe
+from embedding_server.idmap.sketch import DEPTH, sketch_cells
 from embedding_server.local_table import LocalTable
 
-RowReset = Callable[[int, torch.Tensor, torch.Tensor], None]
-"""reset(piece, rows [k], fresh weights [k, D]) on the shard's piece ``piece``."""
-RowRead = Callable[[int, torch.Tensor], torch.Tensor]
-"""read(piece, rows [k]) -> the piece's current weights of those rows, float [k, D] (a copy)."""
+RowReset = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""reset(pieces [k], rows [k], fresh weights [k, D]): row rows[i] of the shard's piece pieces[i]."""
+RowRead = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""read(pieces [k], rows [k]) -> the current weights of those rows, float [k, D] (a copy)."""
 
 
 def init_for_ids(ids: torch.Tensor, local: LocalTable, seed: int, init_scale: float | None) -> torch.Tensor:
     """Fresh weights of the piece's columns for ``ids`` [k] -> float [k, D_piece]."""
-    table, spec = local.table, local.spec
-    bound = init_scale if init_scale else math.sqrt(1.0 / table.rows)
-    cols = torch.arange(local.col_start, local.col_start + spec.dim, dtype=torch.int64)  # [D]
-    key = mix64(ids, salt=(seed * 1_000_003 + local.index) * 1_000_003)  # [k]
-    bits = mix64(key[:, None] + cols[None, :])  # [k, D]
+    where = torch.full_like(ids, local.index), torch.full_like(ids, local.col_start)
+    return init_for_pieces(ids, *where, local.spec.dim, local.table.rows, seed, init_scale)
+
+
+def init_for_pieces(ids: torch.Tensor, index: torch.Tensor, col_start: torch.Tensor, dim: int, rows: int, seed: int,
+                    init_scale: float | None) -> torch.Tensor:
+    """:func:`init_for_ids` of ids [k] of several pieces (of tables of equal rows, pieces of
+    equal dim): ``index`` [k] the table of each, ``col_start`` [k] its piece's first column."""
+    bound = init_scale if init_scale else math.sqrt(1.0 / rows)
+    cols = col_start[:, None] + torch.arange(dim, dtype=torch.int64)[None, :]  # [k, D]
+    key = mix64(ids, salt=(seed * 1_000_003 + index) * 1_000_003)  # [k]
+    bits = mix64(key[:, None] + cols)  # [k, D]
     unit = _shr(bits, 11).to(torch.float64) / float(1 << 53)  # uniform [0, 1)
     return ((unit * 2 - 1) * bound).to(torch.float32)
 
@@ -64,6 +80,10 @@ class ShardIdMaps:
             local = tables[t]
             if local.row_start != 0 or local.spec.rows != local.table.rows:
                 raise ValueError(f"table {local.table.name}: dynamic ids need whole rows on one shard")
+        # Maps of equal rows and settings are admitted together (``batched.py``): order them by group.
+        key_of = {t: (tables[t].spec.rows, tables[t].spec.dim, tables[t].table.dynamic) for t in mine}
+        kinds = list(dict.fromkeys(key_of.values()))
+        mine = sorted(mine, key=lambda t: kinds.index(key_of[t]))
         rows = [tables[t].spec.rows for t in mine]
         shared = [shared_row_count(tables[t].spec.rows, tables[t].table.dynamic) for t in mine]
         buckets = [buckets_for(r - s) for r, s in zip(rows, shared, strict=True)]
@@ -78,23 +98,67 @@ class ShardIdMaps:
         self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
         self.shared = torch.tensor(shared, dtype=torch.int64)  # [M] S of each map
         self.maps: dict[int, DynamicIdMap] = {}
-        for i, t in enumerate(mine):
-            h0, r0 = int(self.bucket_base[i]), int(self.row_base[i])
-            views = {"keys": self.keys[h0 : h0 + buckets[i]], "slots": self.slots[h0 : h0 + buckets[i]],
-                     "last": self.last[r0 : r0 + rows[i]], "uses": self.uses[r0 : r0 + rows[i]],
-                     "counters": self.counters[i]}
-            self.maps[t] = DynamicIdMap(rows[i], tables[t].table.dynamic, self._resetter(t, reset, read, seed, init_scale), views)
-        self.map_list = list(self.maps.values())
+        self.groups: list[tuple[int, int, MapGroup]] = []  # (first map, last map + 1, group)
+        first = 0
+        for kind in kinds:
+            members = [t for t in mine if key_of[t] == kind]
+            last = first + len(members)
+            group = self._group(members, first, buckets[first], reset, read, seed, init_scale)
+            self.groups.append((first, last, group))
+            first = last
+        self.maps = {t: self.maps[t] for t in sorted(self.maps)}
+        self.map_list = [self.maps[t] for t in mine]
         number = {t: i for i, t in enumerate(mine)}
         self.map_of_feature = torch.tensor([number.get(t, -1) for t in feature_map], dtype=torch.int64)  # [F]
-        self.ttl_maps = [m for m in self.map_list if m.cfg.evict == "ttl"]
+
+    def _group(self, members: list[int], first: int, h: int, reset: RowReset, read: RowRead, seed: int,
+               init_scale: float | None) -> MapGroup:
+        """The maps of tables ``members`` (equal rows R, dim and settings; maps first.. of the shard),
+        their state stacked [M, ...] in views of the side-by-side buffers (``h``: H of each)."""
+        m, last = len(members), first + len(members)
+        local = self.tables[members[0]]
+        r, cfg = local.spec.rows, local.table.dynamic
+        s = shared_row_count(r, cfg)
+        h0, r0 = int(self.bucket_base[first]), int(self.row_base[first])
+        stacked = {"row_id": torch.zeros(m, r, dtype=torch.int64), "used": torch.zeros(m, r, dtype=torch.bool),
+                   "last": self.last[r0 : r0 + m * r].view(m, r), "uses": self.uses[r0 : r0 + m * r].view(m, r),
+                   "free": torch.zeros(m, r - s, dtype=torch.int64), "counters": self.counters[first:last],
+                   "table_counts": torch.zeros(m, 2, dtype=torch.int64)}
+        width = sketch_cells(sketch_width(r))
+        if has_sketch(cfg):
+            stacked.update(sketch_counts=torch.zeros(m, DEPTH * width, dtype=torch.int32),
+                           sketch_added=torch.zeros(m, dtype=torch.int64))
+        keys, slots = self.keys[h0 : h0 + m * h], self.slots[h0 : h0 + m * h]
+        maps = []
+        for i, t in enumerate(members):
+            views = {k: v[i] for k, v in stacked.items()}
+            views.update(keys=keys[i * h : (i + 1) * h], slots=slots[i * h : (i + 1) * h])
+            if has_sketch(cfg):
+                views["sketch_counts"] = views["sketch_counts"].view(DEPTH, width)
+            self.maps[t] = DynamicIdMap(r, cfg, self._resetter(t, reset, read, seed, init_scale), views)
+            maps.append(self.maps[t])
+        return MapGroup(maps, keys, slots, stacked, self._group_resetter(members, reset, read, seed, init_scale))
 
     def _resetter(self, t: int, reset: RowReset, read: RowRead, seed: int, init_scale: float | None):
-        local = self.tables[t]
+        """reset(rows [k], ids [k]) of the map of piece t."""
+        group = self._group_resetter([t], reset, read, seed, init_scale)
+        return lambda rows, ids: group(torch.zeros_like(rows), rows, ids)
+
+    def _group_resetter(self, members: list[int], reset: RowReset, read: RowRead, seed: int,
+                        init_scale: float | None):
+        """reset(tables [k], rows [k], ids [k]) of a group of maps (pieces ``members``, of equal
+        rows, dim and settings): every fresh row of a step in one read and one write."""
+        pieces = torch.tensor(members, dtype=torch.int64)  # [M]
+        local = self.tables[members[0]]
         if local.table.dynamic.start_from_shared:
             shared = local.table.shared_row_count
-            return lambda rows, ids: reset(t, rows, read(t, shared_rows_of(ids, shared)))
-        return lambda rows, ids: reset(t, rows, init_for_ids(ids, local, seed, init_scale))
+            return lambda g, rows, ids: reset(pieces[g], rows, read(pieces[g], shared_rows_of(ids, shared)))
+
+        index = torch.tensor([self.tables[t].index for t in members], dtype=torch.int64)  # [M]
+        col_start = torch.tensor([self.tables[t].col_start for t in members], dtype=torch.int64)  # [M]
+        dim, rows = local.spec.dim, local.table.rows
+        return lambda g, r, ids: reset(pieces[g], r, init_for_pieces(ids, index[g], col_start[g], dim, rows, seed,
+                                                                     init_scale))
 
     def __bool__(self) -> bool:
         return bool(self.maps)
@@ -127,13 +191,14 @@ class ShardIdMaps:
         absent = torch.nonzero(~known).squeeze(1)
         if absent.numel():
             k_absent = k[absent]
-            for i in torch.unique(k_absent).tolist():  # only the tables with new ids
-                sel = absent[k_absent == i]
-                rows[sel] = self.map_list[i].admit(ids[sel])
+            for first, last, group in self.groups:  # every table of a group at once
+                sel = absent[(k_absent >= first) & (k_absent < last)]
+                if sel.numel():
+                    rows[sel] = group.admit(ids[sel], k[sel] - first)
         shared = rows < self.shared[k]
         self.counters[:, default] += torch.bincount(k[shared], minlength=len(self.map_list))
-        for m in self.ttl_maps:
-            m.end_step()
+        for _, _, group in self.groups:
+            group.expire()
         return rows
 
     def stats(self) -> dict[str, dict[str, int]]:

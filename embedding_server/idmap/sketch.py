@@ -14,9 +14,25 @@ import torch
 
 from embedding_server.idmap.hash_table import mix64
 
+DEPTH = 4
+"""Rows (hashes) of a sketch."""
 RESET_FACTOR = 2
 """Increments per counter (on average) between two halvings: low, so that collisions add little
 to an estimate (TinyLFU's sample is 10x its cache; our sketch is wider instead)."""
+
+
+def sketch_cells(width: int) -> int:
+    """W of a sketch asked for ``width`` counters per row: the next power of two (at least 16)."""
+    return 1 << max(4, (width - 1).bit_length())
+
+
+def sketch_cells_of(ids: torch.Tensor, width: int, depth: int) -> torch.Tensor:
+    """Counter of each id in each row of a [depth, width] sketch, flat int64 [d, n]: double
+    hashing, h1 + r * h2 from the two 32-bit halves of one mixed hash (Kirsch & Mitzenmacher)."""
+    h = mix64(ids, salt=1)
+    h1, h2 = h & 0xFFFFFFFF, (h >> 32) | 1  # [n] each
+    r = torch.arange(depth, dtype=torch.int64)[:, None]  # [d, 1]
+    return ((h1 + r * h2) & (width - 1)) + r * width
 
 
 class CountMinSketch:
@@ -28,19 +44,17 @@ class CountMinSketch:
         (tensor([3, 1], dtype=torch.int32), False)
     """
 
-    def __init__(self, width: int, depth: int = 4) -> None:
-        self.width = 1 << max(4, (width - 1).bit_length())  # W, a power of two
+    def __init__(self, width: int, depth: int = DEPTH, counts: torch.Tensor | None = None,
+                 added: torch.Tensor | None = None) -> None:
+        self.width = sketch_cells(width)  # W, a power of two
         self.depth = depth
-        self.counts = torch.zeros(depth, self.width, dtype=torch.int32)  # [d, W]
-        self.added = torch.zeros((), dtype=torch.int64)  # increments since the last halving
+        # counts, added: storage to use (views, so that a shard's sketches are updated together).
+        self.counts = torch.zeros(depth, self.width, dtype=torch.int32) if counts is None else counts  # [d, W]
+        self.added = torch.zeros((), dtype=torch.int64) if added is None else added  # increments since the last halving
 
     def _cells(self, ids: torch.Tensor) -> torch.Tensor:
-        """Flat counter index of each id in each row, int64 [d, n]: double hashing, h1 + r * h2
-        from the two 32-bit halves of one mixed hash (Kirsch & Mitzenmacher)."""
-        h = mix64(ids, salt=1)
-        h1, h2 = h & 0xFFFFFFFF, (h >> 32) | 1  # [n] each
-        r = torch.arange(self.depth, dtype=torch.int64)[:, None]  # [d, 1]
-        return ((h1 + r * h2) & (self.width - 1)) + r * self.width
+        """Flat counter index of each id in each row, int64 [d, n]."""
+        return sketch_cells_of(ids, self.width, self.depth)
 
     def estimate(self, ids: torch.Tensor) -> torch.Tensor:
         """Estimated count of each id, int32 [n] (never below the true count since the last halving)."""

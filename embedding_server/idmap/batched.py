@@ -1,0 +1,245 @@
+"""Admission and eviction for a group of id maps at once: one set of tensor ops per step, not a
+Python loop per table.
+
+A shard's dynamic tables of equal rows and settings form a group; their maps' state is stacked
+(views of the shard's side-by-side buffers, ``remap.py``), and one training step's new ids of every
+table of the group are handled together. Each operation keeps the per-table meaning of
+:class:`~embedding_server.idmap.dynamic.DynamicIdMap` exactly (the same ids admitted, the same
+rows given and freed, in the same order, the same hash-table buckets): the group's key space is
+(table, id), every sort is by table first and then by the per-table order, and every "first n" is
+counted within a table.
+
+Shape letters: M tables in the group, R rows each (S shared), H hash buckets each, d x W
+sketch counters each, n ids in a call (u distinct (table, id) pairs, k candidates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from embedding_server.idmap.dynamic import (
+    COUNTERS,
+    EVICT_CHUNK,
+    DynamicIdMap,
+    has_sketch,
+    shared_rows_of,
+)
+from embedding_server.idmap.hash_table import TOMBSTONE, mix64, probe
+from embedding_server.idmap.sketch import RESET_FACTOR, sketch_cells_of
+
+CLOCK, FREE, ADMITTED, EVICTED = (COUNTERS.index(n) for n in ("clock", "free", "admitted", "evicted"))
+NO_KEY = torch.iinfo(torch.int64).max
+"""Sort key of rows that may not be evicted."""
+NO_INDEX = torch.iinfo(torch.int32).max
+"""A bucket no key aims at (the insert's scratch)."""
+
+
+def ranks_within(groups: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``groups`` int64 [n] sorted ascending: (position of each element within its group [n],
+    elements per group [count])."""
+    per = torch.bincount(groups, minlength=count)
+    start = torch.cumsum(per, 0) - per
+    return torch.arange(groups.numel()) - start[groups], per
+
+
+def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
+    """Distinct (table, id) pairs sorted by table, then id -> (ids [u], tables [u], inverse [n],
+    occurrences [u])."""
+    order = torch.argsort(ids, stable=True)
+    order = order[torch.argsort(tables[order], stable=True)]
+    si, st = ids[order], tables[order]
+    first = torch.ones_like(si, dtype=torch.bool)
+    first[1:] = (si[1:] != si[:-1]) | (st[1:] != st[:-1])
+    which = torch.cumsum(first, 0) - 1  # [n] pair of each sorted element
+    inverse = torch.empty_like(which)
+    inverse[order] = which
+    return si[first], st[first], inverse, torch.bincount(which, minlength=int(first.sum()))
+
+
+GroupReset = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""reset(tables [a], rows [a], ids [a]): rows of the group's tables given to new ids."""
+
+
+class MapGroup:
+    """M maps of equal rows and settings, stacked.
+
+    Args:
+        maps: the group's maps, in order (their storage: views of the buffers below).
+        keys, slots: the group's hash buckets side by side, int64 [M * H].
+        stacked: the maps' state as [M, ...] views: row_id, used, last, uses [M, R]; free
+            [M, R - S]; counters [M, len(COUNTERS)]; table_counts [M, 2]; sketch_counts
+            [M, d * W] and sketch_added [M] (when the maps count).
+        reset: fresh weights and optimizer state for rows given to new ids.
+    """
+
+    def __init__(self, maps: list[DynamicIdMap], keys: torch.Tensor, slots: torch.Tensor,
+                 stacked: dict[str, torch.Tensor], reset: GroupReset | None = None) -> None:
+        m0 = maps[0]
+        self.maps, self.cfg, self.rows, self.shared = maps, m0.cfg, m0.rows, m0.shared
+        self.count, self.buckets = len(maps), m0.table.mask + 1
+        self.keys, self.slots = keys, slots
+        self.s, self.reset = stacked, reset
+        self.sketch = m0.sketch if has_sketch(self.cfg) else None
+        self.first = torch.full_like(slots, NO_INDEX, dtype=torch.int32)  # [M * H] scratch of _insert
+
+    def admit(self, ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Rows of ids [n] not in their table's map (``tables`` [n]: the table of each, in the
+        group): those admitted now get one, the rest their shared row -> int64 [n]."""
+        uniq, ut, inverse, counts = unique_pairs(ids, tables, self.count)  # [u] each
+        rows = shared_rows_of(uniq, self.shared)  # [u]
+        cand, priority = torch.arange(uniq.numel()), counts
+        if self.sketch is not None:
+            priority = self._count(uniq, ut, counts)
+            ok = priority >= self.cfg.admit_after
+            cand, priority = cand[ok], priority[ok]
+        if cand.numel():  # by table, then most frequent first (ties: lower id, as torch.unique sorts)
+            order = torch.argsort(-priority, stable=True)
+            order = order[torch.argsort(ut[cand][order], stable=True)]
+            cand, priority = cand[order], priority[order]
+            taken, slots = self._admit(uniq[cand], ut[cand], priority)
+            rows[cand[taken]] = slots
+        return rows[inverse]
+
+    def _count(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Add the occurrences to each table's sketch -> estimates int64 [u]; halve the sketches
+        (and use counts) of the tables that reached their reset."""
+        width, depth = self.sketch.width, self.sketch.depth
+        cells = sketch_cells_of(uniq, width, depth) + ut * (depth * width)  # [d, u]
+        flat = self.s["sketch_counts"].view(-1)  # [M * d * W]
+        flat.scatter_add_(0, cells.reshape(-1), counts.to(torch.int32).repeat(depth))
+        added = self.s["sketch_added"]
+        added.index_add_(0, ut, counts)
+        estimate = flat[cells].amin(dim=0).to(torch.int64)  # [u]
+        halve = torch.nonzero(added >= RESET_FACTOR * width).squeeze(1)
+        if halve.numel():
+            self.s["sketch_counts"][halve] = self.s["sketch_counts"][halve] >> 1
+            added[halve] = 0
+            self.s["uses"][halve] = self.s["uses"][halve] >> 1
+        return estimate
+
+    def _admit(self, ids: torch.Tensor, tables: torch.Tensor, priority: torch.Tensor):
+        """Rows for candidates ``ids`` [k] of ``tables`` [k] (by table, most frequent first)
+        -> (positions of those admitted [a], their rows [a])."""
+        counters, clock = self.s["counters"], int(self.s["counters"][0, CLOCK])
+        rank, k_t = ranks_within(tables, self.count)  # [k], [M]
+        free_t = counters[:, FREE].clone()  # [M]
+        need = torch.nonzero(k_t > free_t).squeeze(1)  # tables with more candidates than free rows
+        if self.cfg.evict == "lfu":
+            take = rank < free_t[tables]
+            if need.numel():
+                start = torch.cumsum(k_t, 0) - k_t
+                first_out = start[need] + free_t[need]  # the first candidate without a free row
+                vt, vrow, vrank = self._victims(need, k_t[need] - free_t[need], clock, below=priority[first_out])
+                faced = start[vt] + free_t[vt] + vrank  # the candidate each victim faces
+                wins = priority[faced] > self.s["uses"][vt, vrow]
+                self._release(vt[wins], vrow[wins])
+                take[faced[wins]] = True
+        else:
+            if need.numel():
+                chunk = (self.rows - self.shared) // EVICT_CHUNK
+                vt, vrow, _ = self._victims(need, (k_t[need] - free_t[need]).clamp(min=chunk), clock)
+                self._release(vt, vrow)
+            take = rank < torch.minimum(k_t, counters[:, FREE])[tables]
+        taken = torch.nonzero(take).squeeze(1)  # [a] by table, then rank
+        if not taken.numel():
+            return taken, taken
+        tt = tables[taken]
+        j, n_t = ranks_within(tt, self.count)
+        slots = self.s["free"][tt, counters[tt, FREE] - 1 - j]  # [a] popped, top first
+        counters[:, FREE] -= n_t
+        chosen = ids[taken]
+        self._insert(chosen, tt, slots, n_t)
+        self.s["row_id"][tt, slots], self.s["used"][tt, slots] = chosen, True
+        self.s["last"][tt, slots], self.s["uses"][tt, slots] = clock, priority[taken]
+        if self.reset is not None:  # fresh weights and optimizer state, every table at once
+            self.reset(tt, slots, chosen)
+        counters[:, ADMITTED] += n_t
+        return taken, slots
+
+    def _victims(self, tabs: torch.Tensor, n: torch.Tensor, clock: int, below: torch.Tensor | None = None):
+        """Up to n[i] rows of table tabs[i] that the policy frees now, least recent first (lru,
+        ttl) or least used, then least recent (lfu); ties: lowest row; ``below`` [len(tabs)]: lfu,
+        only rows used fewer times -> (tables [v], rows [v], rank within its table [v])."""
+        every = tabs.numel() == self.count  # tabs is 0..M-1: no copies
+        last, used, uses = ((self.s[n] if every else self.s[n][tabs]) for n in ("last", "used", "uses"))  # [m, R]
+        if self.cfg.evict == "ttl":
+            movable = used & (last <= clock - self.cfg.ttl_steps)
+        else:
+            movable = used & (last < clock - 1)  # this and the previous lookup's rows stay
+        row = torch.arange(self.rows, dtype=torch.int64)
+        key = last * self.rows + row  # (last, row), exact below 2^63
+        if below is not None:
+            movable &= uses < below[:, None]
+            if int(below.max()) * (clock + 2) * self.rows >= 1 << 62:
+                return self._victims_sorted(tabs, n, movable, last, uses)
+            key = uses * ((clock + 1) * self.rows) + key  # (uses, last, row)
+        key = torch.where(movable, key, NO_KEY)
+        most = min(int(n.max()), self.rows)
+        vals, rows = torch.topk(key, most, dim=1, largest=False, sorted=True)  # [m, most]
+        keep = (torch.arange(most)[None, :] < n[:, None]) & (vals != NO_KEY)
+        ranks = torch.arange(most).expand_as(rows)
+        return tabs[:, None].expand_as(rows)[keep], rows[keep], ranks[keep]
+
+    def _victims_sorted(self, tabs, n, movable, last, uses):
+        """:meth:`_victims` for lfu by stable sorts, where the packed key would overflow."""
+        order = torch.argsort(torch.where(movable, last, NO_KEY), dim=1, stable=True)
+        score = torch.where(movable, uses, NO_KEY).gather(1, order)
+        order = order.gather(1, torch.argsort(score, dim=1, stable=True))
+        ok = movable.gather(1, order) & (torch.arange(self.rows)[None, :] < n[:, None])
+        ranks = torch.arange(self.rows).expand_as(order)
+        return tabs[:, None].expand_as(order)[ok], order[ok], ranks[ok]
+
+    def _release(self, tables: torch.Tensor, rows: torch.Tensor) -> None:
+        """Free ``rows`` [v] of ``tables`` [v] (by table): their ids leave the maps, the rows go
+        back on the free stacks in this order."""
+        if not rows.numel():
+            return
+        pos = probe(self.keys, self.slots, self.s["row_id"][tables, rows], tables * self.buckets, self.buckets - 1)
+        if bool((pos < 0).any()):
+            raise KeyError("MapGroup: a freed row's id is not in its map")
+        self.slots[pos] = TOMBSTONE
+        j, r_t = ranks_within(tables, self.count)
+        self.s["table_counts"] += torch.stack([-r_t, r_t], 1)
+        self.s["used"][tables, rows] = False
+        counters = self.s["counters"]
+        self.s["free"][tables, counters[tables, FREE] + j] = rows
+        counters[:, FREE] += r_t
+        counters[:, EVICTED] += r_t
+
+    def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, n_t: torch.Tensor) -> None:
+        """Add ``keys`` [a] (distinct and absent, by table) with their ``slots`` to the maps'
+        hash tables: IdHashTable.insert for every table at once."""
+        counts = self.s["table_counts"]  # [M, 2] live, tombstones
+        for t in torch.nonzero((n_t > 0) & (counts.sum(1) + n_t > self.buckets // 2)).squeeze(1).tolist():
+            self.maps[t].table._rebuild()  # the few tables whose tombstones piled up
+        mask, base = self.buckets - 1, tables * self.buckets
+        home = mix64(keys) & mask  # [a]
+        step = torch.zeros_like(home)
+        active = torch.arange(keys.numel())
+        while active.numel():
+            p = base[active] + ((home[active] + step[active]) & mask)
+            free = self.slots[p] < 0
+            # Keys aiming at one free bucket: the first (lowest index) takes it, the rest probe on.
+            cand, cp = active[free], p[free]
+            first = self.first.scatter_reduce_(0, cp, cand.to(torch.int32), "amin")  # [M * H]
+            won = first[cp] == cand
+            first[cp] = NO_INDEX  # the scratch back as it was
+            wp, wk = cp[won], cand[won]
+            reused = torch.bincount(tables[wk][self.slots[wp] == TOMBSTONE], minlength=self.count)
+            counts[:, 1] -= reused
+            self.keys[wp], self.slots[wp] = keys[wk], slots[wk]
+            taken = torch.zeros(keys.numel(), dtype=torch.bool)
+            taken[wk] = True
+            step[active[~free]] += 1  # bucket held by another key: probe on
+            active = active[~taken[active]]
+        counts[:, 0] += n_t
+
+    def expire(self) -> None:
+        """ttl: every ttl_steps lookups, the ids unused for ttl_steps lose their rows."""
+        clock = int(self.s["counters"][0, CLOCK])
+        if self.cfg.evict == "ttl" and clock % self.cfg.ttl_steps == 0:
+            tabs = torch.arange(self.count)
+            vt, vrow, _ = self._victims(tabs, torch.full_like(tabs, self.rows), clock)
+            self._release(vt, vrow)

@@ -1,0 +1,66 @@
+"""Rows of several table pieces of a shard read and written with one indexing op.
+
+A kernel keeps its tables' weights (and each optimizer state) in one buffer, and a piece's
+tensor is a view of it at a row-aligned offset. :class:`RowBlocks` over such views (each
+[R_t, *row]) sees the buffer as one [N, *row] tensor, so that (piece, row) pairs become rows of it
+and the rows of many pieces (the fresh rows of every dynamic table of a step) are one gather or
+one scatter. Views that do not share a buffer so are served one piece at a time.
+
+Shape letters: P pieces, R_t rows of piece t, k (piece, row) pairs in a call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _one_buffer(views: list[torch.Tensor]) -> bool:
+    """Whether every view is a contiguous, row-aligned block of the first view's storage."""
+    v0 = views[0]
+    width = math.prod(v0.shape[1:])
+    return width > 0 and all(
+        v.untyped_storage().data_ptr() == v0.untyped_storage().data_ptr() and v.dtype == v0.dtype
+        and v.shape[1:] == v0.shape[1:] and v.is_contiguous() and v.storage_offset() % width == 0
+        for v in views)
+
+
+class RowBlocks:
+    """Rows of ``views`` (one per piece, each [R_t, *row]) by (piece, row).
+
+    Example:
+        >>> buf = torch.arange(12.0).view(6, 2)
+        >>> b = RowBlocks([buf[:2], buf[2:]])  # piece 0: rows 0-1, piece 1: rows 2-5
+        >>> b.read(torch.tensor([1, 0]), torch.tensor([3, 1]))
+        tensor([[10., 11.],
+                [ 2.,  3.]])
+    """
+
+    def __init__(self, views: list[torch.Tensor]) -> None:
+        self.views = views
+        self.flat: torch.Tensor | None = None  # [N, *row] the whole buffer
+        if views and _one_buffer(views):
+            v0, width = views[0], math.prod(views[0].shape[1:])
+            n = v0.untyped_storage().nbytes() // v0.element_size() // width
+            self.flat = v0.as_strided((n, *v0.shape[1:]), (width, *v0.stride()[1:]), 0)
+            self.base = torch.tensor([v.storage_offset() // width for v in views], dtype=torch.int64)  # [P]
+
+    def read(self, pieces: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` [k] of pieces ``pieces`` [k] -> a copy [k, *row]."""
+        if self.flat is not None:
+            return self.flat[self.base[pieces] + rows]
+        out = torch.empty((rows.numel(), *self.views[0].shape[1:]), dtype=self.views[0].dtype)
+        for p in torch.unique(pieces).tolist():
+            at = torch.nonzero(pieces == p).squeeze(1)
+            out[at] = self.views[p][rows[at]]
+        return out
+
+    def write(self, pieces: torch.Tensor, rows: torch.Tensor, values: torch.Tensor | float) -> None:
+        """Set rows ``rows`` [k] of pieces ``pieces`` [k] to ``values`` ([k, *row], or one number)."""
+        if self.flat is not None:
+            self.flat[self.base[pieces] + rows] = values
+            return
+        for p in torch.unique(pieces).tolist():
+            at = torch.nonzero(pieces == p).squeeze(1)
+            self.views[p][rows[at]] = values if not isinstance(values, torch.Tensor) else values[at]
