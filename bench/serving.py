@@ -23,7 +23,11 @@ epoll, keep-alive connections), so that the load generator costs the 2 shared co
     batch       closed loop, 4 connections, 256-instance requests: instances/s.
 
 Model: the default DLRM (dim 16, MLPs 512-256-64 / 512-256) with 26 tables x 100k rows, trained
-one epoch on 200k generated rows. Writes bench/results/serving.{json,md}.
+one epoch on 200k generated rows. ``--row-dtype fp32,int8`` publishes the same checkpoint once per
+row dtype (``dlrm publish --row-dtype``: file store ``store`` for fp32, ``store-DTYPE`` for the
+others; Redis under the key prefix ``dlrm`` / ``dlrm-DTYPE``) and runs every phase of the file and
+Redis servers against each (rows "..., int8"); the naive server reads fp32 tables only.
+Writes bench/results/serving.{json,md}.
 """
 
 from __future__ import annotations
@@ -51,18 +55,36 @@ sys.path.insert(0, str(REPO / "tests"))
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
 
 
-def prepare(work: Path) -> tuple[Path, Path]:
-    """Data, a trained model and a published file store (cached in ``work``)."""
-    data, run, store = work / "data", work / "run", work / "store"
+def store_dir(work: Path, row_dtype: str) -> Path:
+    """The file store holding the version published with ``row_dtype``."""
+    return work / "store" if row_dtype == "fp32" else work / f"store-{row_dtype}"
+
+
+def redis_url(url: str, row_dtype: str) -> str:
+    """``url`` with the key prefix of the version published with ``row_dtype``."""
+    return url if row_dtype == "fp32" else f"{url}{'&' if '?' in url else '?'}prefix=dlrm-{row_dtype}"
+
+
+def server_key(kind: str, row_dtype: str) -> str:
+    """The results key of one server kind serving one row dtype: ``file``, ``redis-int8``."""
+    return kind if row_dtype == "fp32" else f"{kind}-{row_dtype}"
+
+
+def prepare(work: Path, row_dtypes: list[str]) -> tuple[Path, Path]:
+    """Data, a trained model and a published file store per row dtype (cached in ``work``)."""
+    data, run = work / "data", work / "run"
     if not (data / "bayes.json").exists():
         subprocess.run([*DLRM, "data", "synth", "--train-rows", "200000", "--test-rows", "20000", "--seed", "3",
                         "--out", data], check=True, stdout=subprocess.DEVNULL)
-    if not (store / "CURRENT").exists():
+    if not (run / "checkpoints" / "latest").exists():
         subprocess.run([*DLRM, "train", "--train", data / "train.txt", "--test", data / "test.txt", "--out", run,
                         "--hash-size", "100000", "--no-progress", "--set", "train.checkpoint_every_steps=0"],
                        check=True, stdout=subprocess.DEVNULL)
-        subprocess.run([*DLRM, "publish", "--checkpoint", run, "--store", f"file://{store}"], check=True,
-                       stdout=subprocess.DEVNULL)
+    for row_dtype in row_dtypes:
+        store = store_dir(work, row_dtype)
+        if not (store / "CURRENT").exists():
+            subprocess.run([*DLRM, "publish", "--checkpoint", run, "--store", f"file://{store}",
+                            "--row-dtype", row_dtype], check=True, stdout=subprocess.DEVNULL)
     return data, run
 
 
@@ -311,6 +333,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--port", type=int, default=18765)
     p.add_argument("--servers", default="file,redis,naive")
+    p.add_argument("--row-dtype", type=lambda t: t.split(","), default=["fp32"],
+                   help="row dtypes published and served by the file and Redis servers, e.g. fp32,int8")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     args = p.parse_args()
 
@@ -319,7 +343,14 @@ def main() -> None:
     from embedding_server.publish import publish_checkpoint
     from embedding_server.stores import open_store
 
-    data, run = prepare(args.work)
+    bad = sorted(set(args.row_dtype) - {"fp32", "fp16", "int8", "int4"})
+    if bad:
+        p.error(f"--row-dtype: unknown {', '.join(bad)} (use fp32, fp16, int8, int4)")
+    kinds = args.servers.split(",")
+    # (kind, row dtype) per server; the naive server reads the fp32 tables only
+    servers = [(kind, d) for d in args.row_dtype for kind in kinds if kind != "naive"]
+    servers += [("naive", "fp32")] if "naive" in kinds else []
+    data, run = prepare(args.work, sorted({d for _, d in servers}))
     loadgen = build_loadgen(args.work)
     load_before = os.getloadavg()
     singles = [json.dumps({"instances": [i]}).encode() for i in instances(data / "test.txt", 4000)]
@@ -329,24 +360,27 @@ def main() -> None:
     redis_dir.mkdir(parents=True, exist_ok=True)
     redis = RedisServer(redis_dir).start() if "redis" in args.servers else None
     try:
-        if redis is not None:
+        for row_dtype in args.row_dtype if redis is not None else []:
             t0 = time.perf_counter()
-            publish_checkpoint(run, open_store(redis.url), version="bench")
-            results["redis_publish_s"] = time.perf_counter() - t0
-        rounds: dict[str, list[dict]] = {k: [] for k in args.servers.split(",")}
+            publish_checkpoint(run, open_store(redis_url(redis.url, row_dtype)), version="bench", row_dtype=row_dtype)
+            results[f"{server_key('redis', row_dtype)}_publish_s"] = time.perf_counter() - t0
+        rounds: dict[str, list[dict]] = {server_key(*s): [] for s in servers}
         for r in range(args.rounds):
-            for kind in rounds:
-                print(f"serving bench: round {r + 1}/{args.rounds}: {kind}", file=sys.stderr, flush=True)
-                url = redis.url if kind == "redis" else f"file://{args.work / 'store'}"
-                rounds[kind].append(run_server(kind, url, args, singles, batch_body, {"DLRM_CACHE_MB": "256"}, loadgen))
-        for kind, runs in rounds.items():
-            results[kind] = median_runs(runs)
+            for kind, row_dtype in servers:
+                key = server_key(kind, row_dtype)
+                print(f"serving bench: round {r + 1}/{args.rounds}: {key}", file=sys.stderr, flush=True)
+                url = (redis_url(redis.url, row_dtype) if kind == "redis"
+                       else f"file://{store_dir(args.work, row_dtype)}")
+                rounds[key].append(run_server(kind, url, args, singles, batch_body, {"DLRM_CACHE_MB": "256"}, loadgen))
+        for key, runs in rounds.items():
+            results[key] = median_runs(runs)
     finally:
         if redis is not None:
             redis.stop(save=False)
     results["config"] = {"rates": args.rates, "sweep_seconds": args.sweep_seconds, "p99_ms": args.p99_ms,
                          "requests": args.requests, "batch": args.batch, "rounds": args.rounds, "phases": args.phases,
                          "workers": args.workers, "seconds": args.seconds, "cpus": os.cpu_count(),
+                         "row_dtypes": args.row_dtype,
                          "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
                          "date": time.strftime("%Y-%m-%d %H:%M")}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -375,7 +409,10 @@ def render(r: dict) -> str:
     ]
     names = {"file": "ours, file store (mmap)", "redis": "ours, Redis store + row cache",
              "naive": "naive: all tables in the API process"}
-    for kind in ("file", "redis", "naive"):
+    for d in c.get("row_dtypes", ["fp32"]):
+        if d != "fp32":
+            names |= {f"file-{d}": f"ours, file store, {d}", f"redis-{d}": f"ours, Redis store, {d}"}
+    for kind in names:
         if kind not in r:
             continue
         x = r[kind]
@@ -396,8 +433,9 @@ def render(r: dict) -> str:
     if any(v is not None for v in per_call.values()):
         lines += ["", "Requests per model call with batching on, 64 clients (from `dlrm_model_batch_requests`, "
                   "first round): " + ", ".join(f"{k} {_f(v, '.1f')}" for k, v in per_call.items())]
-    if "redis_publish_s" in r:
-        lines += ["", f"Publishing the model to Redis took {r['redis_publish_s']:.1f} s."]
+    publish = [f"{k[:-len('_publish_s')]} {v:.1f} s" for k, v in r.items() if k.endswith("_publish_s")]
+    if publish:
+        lines += ["", f"Publishing the model to Redis took: {', '.join(publish)}."]
     return "\n".join(lines) + "\n"
 
 

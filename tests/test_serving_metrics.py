@@ -179,3 +179,19 @@ def test_request_ids_json_logs_and_the_json_500(tmp_path, trained_criteo):
     assert crash[0]["request_id"] == "req-500" and "RuntimeError: a bug" in crash[0]["exc"]
     assert any(r.get("request_id") == "req-500" and r["status"] == 500 for r in access)
     assert any(r["path"] == "/x\\n12:00:00 INFO forged" for r in access)
+
+
+def test_generated_request_ids_are_unique_across_calls_and_forks():
+    from api.middleware import _request_id
+
+    ids = [_request_id([]) for _ in range(1000)]
+    assert len(set(ids)) == 1000 and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a fresh prefix, so its ids cannot repeat the parent's
+        os.write(write, _request_id([]).encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.waitpid(pid, 0)
+    assert len(child) == 32 and child[:16] != ids[-1][:16] and child not in ids
