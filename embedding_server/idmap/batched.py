@@ -47,15 +47,28 @@ def ranks_within(groups: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.
 def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
     """Distinct (table, id) pairs sorted by table, then id -> (ids [u], tables [u], inverse [n],
     occurrences [u])."""
-    order = torch.argsort(ids, stable=True)
-    order = order[torch.argsort(tables[order], stable=True)]
-    si, st = ids[order], tables[order]
+    order = torch.argsort(ids)  # equal pairs may come in any order: their pair is the same
+    order = order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
+    si, st = ids.index_select(0, order), tables.index_select(0, order)
     first = torch.ones_like(si, dtype=torch.bool)
     first[1:] = (si[1:] != si[:-1]) | (st[1:] != st[:-1])
     which = torch.cumsum(first, 0) - 1  # [n] pair of each sorted element
-    inverse = torch.empty_like(which)
-    inverse[order] = which
-    return si[first], st[first], inverse, torch.bincount(which, minlength=int(first.sum()))
+    inverse = torch.empty_like(which).scatter_(0, order, which)
+    at = torch.nonzero(first).squeeze(1)
+    return si.index_select(0, at), st.index_select(0, at), inverse, torch.bincount(which, minlength=at.numel())
+
+
+def by_table_then_priority(tables: torch.Tensor, priority: torch.Tensor, count: int) -> torch.Tensor:
+    """Order of k candidates by table, then priority descending, then position (``tables`` [k],
+    ``priority`` [k] >= 0) -> int64 [k]: one sort of a packed key where it fits in
+    int64, else two stable sorts."""
+    k = tables.numel()
+    top = int(priority.max())
+    if count * (top + 1) * k < 1 << 62:
+        key = (tables * (top + 1) + (top - priority)) * k + torch.arange(k)  # distinct keys
+        return torch.argsort(key)
+    order = torch.argsort(-priority, stable=True)
+    return order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
 
 
 GroupReset = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -83,6 +96,9 @@ class MapGroup:
         self.s, self.reset = stacked, reset
         self.sketch = m0.sketch if has_sketch(self.cfg) else None
         self.first = torch.full_like(slots, NO_INDEX, dtype=torch.int32)  # [M * H] scratch of _insert
+        # [M * R] the bucket of each row's id, as _insert placed it (a cache, checked before use:
+        # -1 or stale after a rebuild or a load; _release then probes for those rows).
+        self.bucket_of = torch.full((self.count * self.rows,), -1, dtype=torch.int64)
 
     def admit(self, ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Rows of ids [n] not in their table's map (``tables`` [n]: the table of each, in the
@@ -95,12 +111,11 @@ class MapGroup:
             ok = priority >= self.cfg.admit_after
             cand, priority = cand[ok], priority[ok]
         if cand.numel():  # by table, then most frequent first (ties: lower id, as torch.unique sorts)
-            order = torch.argsort(-priority, stable=True)
-            order = order[torch.argsort(ut[cand][order], stable=True)]
-            cand, priority = cand[order], priority[order]
-            taken, slots = self._admit(uniq[cand], ut[cand], priority)
-            rows[cand[taken]] = slots
-        return rows[inverse]
+            order = by_table_then_priority(ut.index_select(0, cand), priority, self.count)
+            cand, priority = cand.index_select(0, order), priority.index_select(0, order)
+            taken, slots = self._admit(uniq.index_select(0, cand), ut.index_select(0, cand), priority)
+            rows.index_copy_(0, cand.index_select(0, taken), slots)
+        return rows.index_select(0, inverse)
 
     def _count(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Add the occurrences to each table's sketch -> estimates int64 [u]; halve the sketches
@@ -145,14 +160,18 @@ class MapGroup:
         taken = torch.nonzero(take).squeeze(1)  # [a] by table, then rank
         if not taken.numel():
             return taken, taken
-        tt = tables[taken]
+        tt = tables.index_select(0, taken)
         j, n_t = ranks_within(tt, self.count)
-        slots = self.s["free"][tt, counters[tt, FREE] - 1 - j]  # [a] popped, top first
+        free_flat = tt * (self.rows - self.shared) + counters[:, FREE].index_select(0, tt) - 1 - j
+        slots = self.s["free"].view(-1).index_select(0, free_flat)  # [a] popped, top first
         counters[:, FREE] -= n_t
-        chosen = ids[taken]
+        chosen = ids.index_select(0, taken)
         self._insert(chosen, tt, slots, n_t)
-        self.s["row_id"][tt, slots], self.s["used"][tt, slots] = chosen, True
-        self.s["last"][tt, slots], self.s["uses"][tt, slots] = clock, priority[taken]
+        flat = tt * self.rows + slots  # [a] distinct
+        self.s["row_id"].view(-1).index_copy_(0, flat, chosen)
+        self.s["used"].view(-1).index_fill_(0, flat, True)
+        self.s["last"].view(-1).index_fill_(0, flat, clock)
+        self.s["uses"].view(-1).index_copy_(0, flat, priority.index_select(0, taken))
         if self.reset is not None:  # fresh weights and optimizer state, every table at once
             self.reset(tt, slots, chosen)
         counters[:, ADMITTED] += n_t
@@ -196,44 +215,69 @@ class MapGroup:
         back on the free stacks in this order."""
         if not rows.numel():
             return
-        pos = probe(self.keys, self.slots, self.s["row_id"][tables, rows], tables * self.buckets, self.buckets - 1)
-        if bool((pos < 0).any()):
-            raise KeyError("MapGroup: a freed row's id is not in its map")
-        self.slots[pos] = TOMBSTONE
+        pos = self._buckets_of(tables, rows)
+        self.slots.index_fill_(0, pos, TOMBSTONE)
         j, r_t = ranks_within(tables, self.count)
         self.s["table_counts"] += torch.stack([-r_t, r_t], 1)
-        self.s["used"][tables, rows] = False
+        self.s["used"].view(-1).index_fill_(0, tables * self.rows + rows, False)
         counters = self.s["counters"]
-        self.s["free"][tables, counters[tables, FREE] + j] = rows
+        free_flat = tables * (self.rows - self.shared) + counters[:, FREE].index_select(0, tables) + j
+        self.s["free"].view(-1).index_copy_(0, free_flat, rows)
         counters[:, FREE] += r_t
         counters[:, EVICTED] += r_t
+
+    def _buckets_of(self, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Bucket (in ``keys``/``slots``) of the id each of ``rows`` [v] of ``tables`` [v] holds,
+        int64 [v]: from :attr:`bucket_of` where that bucket still holds the row's id, else probed."""
+        flat = tables * self.rows + rows  # [v]
+        ids = self.s["row_id"].view(-1).index_select(0, flat)
+        pos = self.bucket_of.index_select(0, flat).clamp(min=0)
+        ok = ((self.slots.index_select(0, pos) == rows) & (self.keys.index_select(0, pos) == ids)
+              & (torch.div(pos, self.buckets, rounding_mode="floor") == tables))  # a live bucket of the id, in its table
+        stale = torch.nonzero(~ok).squeeze(1)
+        if stale.numel():
+            st = tables.index_select(0, stale)
+            found = probe(self.keys, self.slots, ids.index_select(0, stale), st * self.buckets, self.buckets - 1)
+            if bool((found < 0).any()):
+                raise KeyError("MapGroup: a freed row's id is not in its map")
+            pos = pos.index_copy(0, stale, found)
+        return pos
 
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, n_t: torch.Tensor) -> None:
         """Add ``keys`` [a] (distinct and absent, by table) with their ``slots`` to the maps'
         hash tables: IdHashTable.insert for every table at once."""
         counts = self.s["table_counts"]  # [M, 2] live, tombstones
-        for t in torch.nonzero((n_t > 0) & (counts.sum(1) + n_t > self.buckets // 2)).squeeze(1).tolist():
+        h, r = self.buckets, self.rows
+        for t in torch.nonzero((n_t > 0) & (counts.sum(1) + n_t > h // 2)).squeeze(1).tolist():
             self.maps[t].table._rebuild()  # the few tables whose tombstones piled up
-        mask, base = self.buckets - 1, tables * self.buckets
-        home = mix64(keys) & mask  # [a]
-        step = torch.zeros_like(home)
-        active = torch.arange(keys.numel())
+            live = torch.nonzero(self.slots[t * h : (t + 1) * h] >= 0).squeeze(1)
+            self.bucket_of.index_copy_(0, t * r + self.slots[t * h + live], t * h + live)
+        mask = h - 1
+        active = torch.arange(keys.numel())  # [a] keys still looking for a bucket
+        tab = tables  # [a] the table of each
+        p = tab * h + (mix64(keys) & mask)  # [a] the bucket each tries
         while active.numel():
-            p = base[active] + ((home[active] + step[active]) & mask)
-            free = self.slots[p] < 0
+            s = self.slots.index_select(0, p)
+            free = s < 0
+            at = torch.nonzero(free).squeeze(1)
             # Keys aiming at one free bucket: the first (lowest index) takes it, the rest probe on.
-            cand, cp = active[free], p[free]
+            cand, cp = active.index_select(0, at), p.index_select(0, at)
             first = self.first.scatter_reduce_(0, cp, cand.to(torch.int32), "amin")  # [M * H]
-            won = first[cp] == cand
-            first[cp] = NO_INDEX  # the scratch back as it was
-            wp, wk = cp[won], cand[won]
-            reused = torch.bincount(tables[wk][self.slots[wp] == TOMBSTONE], minlength=self.count)
-            counts[:, 1] -= reused
-            self.keys[wp], self.slots[wp] = keys[wk], slots[wk]
-            taken = torch.zeros(keys.numel(), dtype=torch.bool)
-            taken[wk] = True
-            step[active[~free]] += 1  # bucket held by another key: probe on
-            active = active[~taken[active]]
+            won = first.index_select(0, cp) == cand
+            first.index_fill_(0, cp, NO_INDEX)  # the scratch back as it was
+            wi = torch.nonzero(won).squeeze(1)
+            wp, wk = cp.index_select(0, wi), cand.index_select(0, wi)
+            wt, ws = tables.index_select(0, wk), slots.index_select(0, wk)
+            reused = s.index_select(0, at.index_select(0, wi)) == TOMBSTONE
+            counts[:, 1] -= torch.bincount(wt.masked_select(reused), minlength=self.count)
+            self.keys.index_copy_(0, wp, keys.index_select(0, wk))
+            self.slots.index_copy_(0, wp, ws)
+            self.bucket_of.index_copy_(0, wt * r + ws, wp)
+            # bucket held by another key: probe on; lost the race: try the same bucket again
+            p = torch.where(free, p, tab * h + ((p + 1) & mask))
+            keep = torch.ones_like(free).index_fill_(0, at.index_select(0, wi), False)
+            go = torch.nonzero(keep).squeeze(1)
+            active, p, tab = active.index_select(0, go), p.index_select(0, go), tab.index_select(0, go)
         counts[:, 0] += n_t
 
     def expire(self) -> None:
