@@ -8,6 +8,7 @@ import torch
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import DynamicIds, TableSpec
 from embedding_server.idmap.dynamic import DynamicIdMap, shared_rows_of
+from embedding_server.idmap.hash_table import probe
 from embedding_server.idmap.remap import ShardIdMaps, init_for_ids, init_for_pieces
 from embedding_server.local_table import LocalTable
 from embedding_server.row_blocks import RowBlocks
@@ -131,3 +132,47 @@ def test_row_blocks_of_one_buffer_and_of_separate_tensors_agree():
     one.write(pieces, rows, torch.full((3, 4), -1.0))
     apart.write(pieces, rows, torch.full((3, 4), -1.0))
     assert torch.equal(torch.cat(separate), buf) and float(buf[9].sum()) == -4.0
+
+
+def churned_group(policy: str, admit_after: int, steps: int = 12):
+    tables = tables_for(policy, admit_after, 0.25)
+    shard = ShardIdMaps(tables, list(range(len(tables))), lambda p, r, w: None, lambda p, r: torch.zeros(r.numel(), 4))
+    for x in stream(steps, 512, len(tables), seed=5):
+        x[1] %= HASHED_ROWS
+        shard.remap(SparseFeatures.one_hot(x), train=True)
+    return shard.groups[0][2]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_victims_by_sorting_the_movable_rows_equal_the_top_k(policy):
+    """Where few rows are movable the victims come from a sort of those rows; the same as the top-k."""
+    group = churned_group(policy, 1)
+    tabs = torch.arange(group.count)
+    clock, s = int(group.s["counters"][0, 0]), group.s
+    n = torch.tensor([5, 300, 40])
+    movable = s["used"] & (s["last"] < clock - 1)
+    lfu = (clock + 1) * group.rows if policy == "lfu" else 0
+    few = group._victims_few(tabs, n, movable, s["last"], s["uses"], lfu)
+    key = s["last"] * group.rows + torch.arange(group.rows) + (s["uses"] * lfu if lfu else 0)
+    vals, rows = torch.topk(torch.where(movable, key, 2**63 - 1), 300, dim=1, largest=False)
+    keep = (torch.arange(300)[None, :] < n[:, None]) & (vals != 2**63 - 1)
+    assert few[0].numel() > 45  # some tables cut at n, some with fewer movable rows
+    assert torch.equal(few[0], tabs[:, None].expand_as(rows)[keep]) and torch.equal(few[1], rows[keep])
+    assert torch.equal(few[2], torch.arange(300).expand_as(rows)[keep])
+
+
+def test_bucket_cache_falls_back_to_probing_when_stale():
+    """Freed rows' buckets: from the row -> bucket cache where it is right, probed where not."""
+    group = churned_group("lru", 1)
+    used = torch.nonzero(group.s["used"])
+    tables, rows = used[:, 0], used[:, 1]
+    ids = group.s["row_id"][tables, rows]
+    truth = probe(group.keys, group.slots, ids, tables * group.buckets, group.buckets - 1)
+    assert bool((truth >= 0).all())
+    assert torch.equal(group._buckets_of(tables, rows), truth)
+    group.bucket_of[::3] = -1  # stale: unknown, and pointing at another table's or row's bucket
+    group.bucket_of[1::3] = torch.roll(group.bucket_of[1::3], 7)
+    assert torch.equal(group._buckets_of(tables, rows), truth)
+    group.slots[truth[:4]] = -2  # ids no longer in the map: a clear error
+    with pytest.raises(KeyError, match="freed row"):
+        group._buckets_of(tables[:4], rows[:4])

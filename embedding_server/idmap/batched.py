@@ -34,6 +34,9 @@ NO_KEY = torch.iinfo(torch.int64).max
 """Sort key of rows that may not be evicted."""
 NO_INDEX = torch.iinfo(torch.int32).max
 """A bucket no key aims at (the insert's scratch)."""
+FEW = 4
+"""Victims are chosen by sorting the movable rows when at most 1/FEW of the rows are movable
+(lfu's candidates can beat few rows), by a top-k over every row otherwise."""
 
 
 def ranks_within(groups: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,24 +185,44 @@ class MapGroup:
         ttl) or least used, then least recent (lfu); ties: lowest row; ``below`` [len(tabs)]: lfu,
         only rows used fewer times -> (tables [v], rows [v], rank within its table [v])."""
         every = tabs.numel() == self.count  # tabs is 0..M-1: no copies
-        last, used, uses = ((self.s[n] if every else self.s[n][tabs]) for n in ("last", "used", "uses"))  # [m, R]
+        last, used, uses = ((self.s[n] if every else self.s[n].index_select(0, tabs))
+                            for n in ("last", "used", "uses"))  # [m, R]
         if self.cfg.evict == "ttl":
             movable = used & (last <= clock - self.cfg.ttl_steps)
         else:
             movable = used & (last < clock - 1)  # this and the previous lookup's rows stay
-        row = torch.arange(self.rows, dtype=torch.int64)
-        key = last * self.rows + row  # (last, row), exact below 2^63
         if below is not None:
             movable &= uses < below[:, None]
             if int(below.max()) * (clock + 2) * self.rows >= 1 << 62:
                 return self._victims_sorted(tabs, n, movable, last, uses)
-            key = uses * ((clock + 1) * self.rows) + key  # (uses, last, row)
+        lfu = (clock + 1) * self.rows if below is not None else 0  # key (uses, last, row) / (last, row)
+        if int(movable.sum()) * FEW <= movable.numel():
+            return self._victims_few(tabs, n, movable, last, uses, lfu)
+        row = torch.arange(self.rows, dtype=torch.int64)
+        key = last * self.rows + row  # (last, row), exact below 2^63
+        if lfu:
+            key = uses * lfu + key
         key = torch.where(movable, key, NO_KEY)
         most = min(int(n.max()), self.rows)
         vals, rows = torch.topk(key, most, dim=1, largest=False, sorted=True)  # [m, most]
         keep = (torch.arange(most)[None, :] < n[:, None]) & (vals != NO_KEY)
         ranks = torch.arange(most).expand_as(rows)
         return tabs[:, None].expand_as(rows)[keep], rows[keep], ranks[keep]
+
+    def _victims_few(self, tabs, n, movable, last, uses, lfu: int):
+        """:meth:`_victims` where few rows are movable: their keys sorted, not a top-k of every row."""
+        at = torch.nonzero(movable.view(-1)).squeeze(1)  # [c] movable (table, row), by table
+        i = torch.div(at, self.rows, rounding_mode="floor")  # [c] position in tabs
+        row = at - i * self.rows
+        key = last.reshape(-1).index_select(0, at) * self.rows + row
+        if lfu:
+            key = uses.reshape(-1).index_select(0, at) * lfu + key
+        order = torch.argsort(key)  # keys are distinct within a table
+        order = order.index_select(0, torch.argsort(i.index_select(0, order), stable=True))
+        i, row = i.index_select(0, order), row.index_select(0, order)
+        rank, _ = ranks_within(i, tabs.numel())
+        ok = torch.nonzero(rank < n.index_select(0, i)).squeeze(1)
+        return tabs.index_select(0, i.index_select(0, ok)), row.index_select(0, ok), rank.index_select(0, ok)
 
     def _victims_sorted(self, tabs, n, movable, last, uses):
         """:meth:`_victims` for lfu by stable sorts, where the packed key would overflow."""
