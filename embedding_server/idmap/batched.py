@@ -129,7 +129,7 @@ class MapGroup:
         flat.scatter_add_(0, cells.reshape(-1), counts.to(torch.int32).repeat(depth))
         added = self.s["sketch_added"]
         added.index_add_(0, ut, counts)
-        estimate = flat[cells].amin(dim=0).to(torch.int64)  # [u]
+        estimate = flat.index_select(0, cells.view(-1)).view(cells.shape).amin(dim=0).to(torch.int64)  # [u]
         halve = torch.nonzero(added >= RESET_FACTOR * width).squeeze(1)
         if halve.numel():
             self.s["sketch_counts"][halve] = self.s["sketch_counts"][halve] >> 1
