@@ -7,6 +7,7 @@ import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import DynamicIds, TableSpec
+from embedding_server.idmap.batched import distinct_pairs, unique_pairs
 from embedding_server.idmap.dynamic import DynamicIdMap, shared_rows_of
 from embedding_server.idmap.hash_table import probe
 from embedding_server.idmap.remap import ShardIdMaps, init_for_ids, init_for_pieces
@@ -176,3 +177,20 @@ def test_bucket_cache_falls_back_to_probing_when_stale():
     group.slots[truth[:4]] = -2  # ids no longer in the map: a clear error
     with pytest.raises(KeyError, match="freed row"):
         group._buckets_of(tables[:4], rows[:4])
+
+
+@pytest.mark.parametrize("laid_out", [True, False])
+def test_distinct_pairs_equal_unique_pairs_within_each_table(laid_out):
+    """The pairs of a lookup (by id, then table) hold, table by table, what unique_pairs gives."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(-50, 50, (3000,), generator=gen)  # many ids repeat, and repeat across tables
+    tables = torch.randint(0, 5, (3000,), generator=gen)
+    if laid_out:
+        tables = tables.sort().values
+    uid, ut, inverse, counts = distinct_pairs(ids, tables)
+    ref = unique_pairs(ids, tables, 5)
+    assert torch.equal(uid[inverse], ids) and torch.equal(ut[inverse], tables)
+    for t in range(5):
+        mine, theirs = ut == t, ref[1] == t
+        assert torch.equal(uid[mine], ref[0][theirs]) and torch.equal(counts[mine], ref[3][theirs])
+    assert bool((uid[1:] >= uid[:-1]).all())

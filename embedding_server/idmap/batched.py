@@ -61,6 +61,26 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
     return si.index_select(0, at), st.index_select(0, at), inverse, torch.bincount(which, minlength=at.numel())
 
 
+def distinct_pairs(ids: torch.Tensor, tables: torch.Tensor):
+    """Distinct (table, id) pairs sorted by id, then table -> (ids [u], tables [u], inverse [n],
+    occurrences [u]). Within a table the pairs are in id order, as :func:`unique_pairs` gives
+    them; one stable sort where ``tables`` [n] is non-decreasing (the values of a lookup are laid
+    out feature by feature)."""
+    pre = None
+    if ids.numel() > 1 and not bool((tables[1:] >= tables[:-1]).all()):
+        pre = torch.argsort(tables, stable=True)
+    order = torch.argsort(ids if pre is None else ids.index_select(0, pre), stable=True)  # equal ids: by table
+    if pre is not None:
+        order = pre.index_select(0, order)
+    si, st = ids.index_select(0, order), tables.index_select(0, order)
+    first = torch.ones_like(si, dtype=torch.bool)
+    first[1:] = (si[1:] != si[:-1]) | (st[1:] != st[:-1])
+    which = torch.cumsum(first, 0) - 1  # [n] pair of each sorted element
+    inverse = torch.empty_like(which).scatter_(0, order, which)
+    at = torch.nonzero(first).squeeze(1)
+    return si.index_select(0, at), st.index_select(0, at), inverse, torch.bincount(which, minlength=at.numel())
+
+
 def by_table_then_priority(tables: torch.Tensor, priority: torch.Tensor, count: int) -> torch.Tensor:
     """Order of k candidates by table, then priority descending, then position (``tables`` [k],
     ``priority`` [k] >= 0) -> int64 [k]: one sort of a packed key where it fits in
@@ -107,6 +127,11 @@ class MapGroup:
         """Rows of ids [n] not in their table's map (``tables`` [n]: the table of each, in the
         group): those admitted now get one, the rest their shared row -> int64 [n]."""
         uniq, ut, inverse, counts = unique_pairs(ids, tables, self.count)  # [u] each
+        return self.admit_distinct(uniq, ut, counts).index_select(0, inverse)
+
+    def admit_distinct(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """:meth:`admit` of distinct pairs (``uniq`` [u] of tables ``ut`` [u], each table's in id
+        order; ``counts`` [u]: their occurrences) -> rows int64 [u]."""
         rows = shared_rows_of(uniq, self.shared)  # [u]
         cand, priority = torch.arange(uniq.numel()), counts
         if self.sketch is not None:
@@ -118,7 +143,7 @@ class MapGroup:
             cand, priority = cand.index_select(0, order), priority.index_select(0, order)
             taken, slots = self._admit(uniq.index_select(0, cand), ut.index_select(0, cand), priority)
             rows.index_copy_(0, cand.index_select(0, taken), slots)
-        return rows.index_select(0, inverse)
+        return rows
 
     def _count(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Add the occurrences to each table's sketch -> estimates int64 [u]; halve the sketches
