@@ -170,15 +170,16 @@ class MapGroup:
         free_t = counters[:, FREE].clone()  # [M]
         need = torch.nonzero(k_t > free_t).squeeze(1)  # tables with more candidates than free rows
         if self.cfg.evict == "lfu":
-            take = rank < free_t[tables]
+            take = rank < free_t.index_select(0, tables)
             if need.numel():
-                start = torch.cumsum(k_t, 0) - k_t
-                first_out = start[need] + free_t[need]  # the first candidate without a free row
-                vt, vrow, vrank = self._victims(need, k_t[need] - free_t[need], clock, below=priority[first_out])
-                faced = start[vt] + free_t[vt] + vrank  # the candidate each victim faces
-                wins = priority[faced] > self.s["uses"][vt, vrow]
-                self._release(vt[wins], vrow[wins])
-                take[faced[wins]] = True
+                out = torch.cumsum(k_t, 0) - k_t + free_t  # [M] each table's first candidate without a free row
+                vt, vrow, vrank = self._victims(need, k_t[need] - free_t[need], clock,
+                                                below=priority.index_select(0, out[need]))
+                faced = out.index_select(0, vt) + vrank  # the candidate each victim faces
+                used = self.s["uses"].view(-1).index_select(0, vt * self.rows + vrow)
+                wins = torch.nonzero(priority.index_select(0, faced) > used).squeeze(1)
+                self._release(vt.index_select(0, wins), vrow.index_select(0, wins))
+                take.index_fill_(0, faced.index_select(0, wins), True)
         else:
             if need.numel():
                 chunk = (self.rows - self.shared) // EVICT_CHUNK
@@ -213,21 +214,21 @@ class MapGroup:
         last, used, uses = ((self.s[n] if every else self.s[n].index_select(0, tabs))
                             for n in ("last", "used", "uses"))  # [m, R]
         if self.cfg.evict == "ttl":
-            movable = used & (last <= clock - self.cfg.ttl_steps)
+            movable = (last <= clock - self.cfg.ttl_steps).logical_and_(used)
         else:
-            movable = used & (last < clock - 1)  # this and the previous lookup's rows stay
+            movable = (last < clock - 1).logical_and_(used)  # this and the previous lookup's rows stay
         if below is not None:
-            movable &= uses < below[:, None]
+            movable.logical_and_(uses < below[:, None])
             if int(below.max()) * (clock + 2) * self.rows >= 1 << 62:
                 return self._victims_sorted(tabs, n, movable, last, uses)
         lfu = (clock + 1) * self.rows if below is not None else 0  # key (uses, last, row) / (last, row)
         if int(movable.sum()) * FEW <= movable.numel():
             return self._victims_few(tabs, n, movable, last, uses, lfu)
         row = torch.arange(self.rows, dtype=torch.int64)
-        key = last * self.rows + row  # (last, row), exact below 2^63
+        key = (last * self.rows).add_(row)  # (last, row), exact below 2^63
         if lfu:
-            key = uses * lfu + key
-        key = torch.where(movable, key, NO_KEY)
+            key.add_(uses, alpha=lfu)
+        key.masked_fill_(movable.logical_not_(), NO_KEY)
         most = min(int(n.max()), self.rows)
         vals, rows = torch.topk(key, most, dim=1, largest=False, sorted=True)  # [m, most]
         keep = (torch.arange(most)[None, :] < n[:, None]) & (vals != NO_KEY)
