@@ -26,7 +26,7 @@ from embedding_server.idmap.dynamic import (
     has_sketch,
     shared_rows_of,
 )
-from embedding_server.idmap.hash_table import TOMBSTONE, mix64, probe
+from embedding_server.idmap.hash_table import EMPTY, TOMBSTONE, mix64, probe
 from embedding_server.idmap.sketch import RESET_FACTOR, sketch_cells_of
 
 CLOCK, FREE, ADMITTED, EVICTED = (COUNTERS.index(n) for n in ("clock", "free", "admitted", "evicted"))
@@ -296,11 +296,34 @@ class MapGroup:
         """Add ``keys`` [a] (distinct and absent, by table) with their ``slots`` to the maps'
         hash tables: IdHashTable.insert for every table at once."""
         counts = self.s["table_counts"]  # [M, 2] live, tombstones
+        rebuild = torch.nonzero((n_t > 0) & (counts.sum(1) + n_t > self.buckets // 2)).squeeze(1)
+        if rebuild.numel():  # the tables whose tombstones piled up: IdHashTable._rebuild of each
+            self._rebuild(rebuild)
+        self._place(keys, tables, slots)
+        counts[:, 0] += n_t
+
+    def _rebuild(self, tabs: torch.Tensor) -> None:
+        """Rebuild the hash tables of ``tabs`` [m] from their live keys, re-placed in bucket order
+        (as IdHashTable._rebuild does, every table at once)."""
+        h = self.buckets
+        mine = torch.zeros(self.count, dtype=torch.bool).index_fill_(0, tabs, True)
+        live = torch.nonzero((self.slots >= 0) & mine.repeat_interleave(h)).squeeze(1)  # [l] by table, bucket
+        keys, slots = self.keys.index_select(0, live), self.slots.index_select(0, live)
+        at = (tabs[:, None] * h + torch.arange(h)[None, :]).view(-1)  # [m * H] their buckets
+        self.keys.index_fill_(0, at, 0)
+        self.slots.index_fill_(0, at, EMPTY)
+        counts = self.s["table_counts"]
+        counts.index_fill_(0, tabs, 0)
+        tables = torch.div(live, h, rounding_mode="floor")
+        self._place(keys, tables, slots)
+        counts[:, 0] += torch.bincount(tables, minlength=self.count)
+
+    def _place(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor) -> None:
+        """Put ``keys`` [a] (distinct and absent, by table) with their ``slots`` in free buckets of
+        their tables (linear probing; keys aiming at one bucket: the first takes it); tombstones
+        reused are counted off."""
+        counts = self.s["table_counts"]  # [M, 2] live, tombstones
         h, r = self.buckets, self.rows
-        for t in torch.nonzero((n_t > 0) & (counts.sum(1) + n_t > h // 2)).squeeze(1).tolist():
-            self.maps[t].table._rebuild()  # the few tables whose tombstones piled up
-            live = torch.nonzero(self.slots[t * h : (t + 1) * h] >= 0).squeeze(1)
-            self.bucket_of.index_copy_(0, t * r + self.slots[t * h + live], t * h + live)
         mask = h - 1
         active = torch.arange(keys.numel())  # [a] keys still looking for a bucket
         tab = tables  # [a] the table of each
@@ -327,7 +350,6 @@ class MapGroup:
             keep = torch.ones_like(free).index_fill_(0, at.index_select(0, wi), False)
             go = torch.nonzero(keep).squeeze(1)
             active, p, tab = active.index_select(0, go), p.index_select(0, go), tab.index_select(0, go)
-        counts[:, 0] += n_t
 
     def expire(self) -> None:
         """ttl: every ttl_steps lookups, the ids unused for ttl_steps lose their rows."""
