@@ -9,7 +9,7 @@ from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import DynamicIds, TableSpec
 from embedding_server.idmap.batched import distinct_pairs, unique_pairs
 from embedding_server.idmap.dynamic import DynamicIdMap, shared_rows_of
-from embedding_server.idmap.hash_table import probe
+from embedding_server.idmap.hash_table import IdHashTable, probe
 from embedding_server.idmap.remap import ShardIdMaps, init_for_ids, init_for_pieces
 from embedding_server.local_table import LocalTable
 from embedding_server.row_blocks import RowBlocks
@@ -194,3 +194,23 @@ def test_distinct_pairs_equal_unique_pairs_within_each_table(laid_out):
         mine, theirs = ut == t, ref[1] == t
         assert torch.equal(uid[mine], ref[0][theirs]) and torch.equal(counts[mine], ref[3][theirs])
     assert bool((uid[1:] >= uid[:-1]).all())
+
+
+def test_batched_rebuild_equals_each_table_rebuilt():
+    """Tables rebuilt together get the buckets IdHashTable._rebuild gives each; the others keep
+    theirs; the row -> bucket cache points at the new buckets."""
+    group = churned_group("lru", 1)
+    refs = [IdHashTable(group.rows - group.shared, m.table.keys.clone(), m.table.slots.clone(), m.table.counts.clone())
+            for m in group.maps]
+    assert all(r.tombstones > 0 for r in refs)
+    for t in (0, 2):
+        refs[t]._rebuild()
+    group._rebuild(torch.tensor([0, 2]))
+    for m, r in zip(group.maps, refs, strict=True):
+        assert torch.equal(m.table.keys, r.keys) and torch.equal(m.table.slots, r.slots)
+        assert torch.equal(m.table.counts, r.counts)
+    used = torch.nonzero(group.s["used"])
+    flat = used[:, 0] * group.rows + used[:, 1]
+    truth = probe(group.keys, group.slots, group.s["row_id"].view(-1)[flat], used[:, 0] * group.buckets,
+                  group.buckets - 1)
+    assert torch.equal(group.bucket_of[flat][used[:, 0] != 1], truth[used[:, 0] != 1])
