@@ -49,7 +49,7 @@ class RowBlocks:
     def read(self, pieces: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` [k] of pieces ``pieces`` [k] -> a copy [k, *row]."""
         if self.flat is not None:
-            return self.flat[self.base[pieces] + rows]
+            return self.flat.index_select(0, self.base[pieces] + rows)  # far cheaper than flat[index]
         out = torch.empty((rows.numel(), *self.views[0].shape[1:]), dtype=self.views[0].dtype)
         for p in torch.unique(pieces).tolist():
             at = torch.nonzero(pieces == p).squeeze(1)
@@ -58,8 +58,12 @@ class RowBlocks:
 
     def write(self, pieces: torch.Tensor, rows: torch.Tensor, values: torch.Tensor | float) -> None:
         """Set rows ``rows`` [k] of pieces ``pieces`` [k] to ``values`` ([k, *row], or one number)."""
-        if self.flat is not None:
-            self.flat[self.base[pieces] + rows] = values
+        if self.flat is not None:  # the rows (pieces, rows) are distinct
+            at = self.base[pieces] + rows
+            if isinstance(values, torch.Tensor):
+                self.flat.index_copy_(0, at, values.to(self.flat.dtype))
+            else:
+                self.flat.index_fill_(0, at, values)
             return
         for p in torch.unique(pieces).tolist():
             at = torch.nonzero(pieces == p).squeeze(1)

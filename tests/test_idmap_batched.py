@@ -7,7 +7,9 @@ import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import DynamicIds, TableSpec
+from embedding_server.idmap.batched import distinct_pairs, unique_pairs
 from embedding_server.idmap.dynamic import DynamicIdMap, shared_rows_of
+from embedding_server.idmap.hash_table import IdHashTable, probe
 from embedding_server.idmap.remap import ShardIdMaps, init_for_ids, init_for_pieces
 from embedding_server.local_table import LocalTable
 from embedding_server.row_blocks import RowBlocks
@@ -131,3 +133,84 @@ def test_row_blocks_of_one_buffer_and_of_separate_tensors_agree():
     one.write(pieces, rows, torch.full((3, 4), -1.0))
     apart.write(pieces, rows, torch.full((3, 4), -1.0))
     assert torch.equal(torch.cat(separate), buf) and float(buf[9].sum()) == -4.0
+
+
+def churned_group(policy: str, admit_after: int, steps: int = 12):
+    tables = tables_for(policy, admit_after, 0.25)
+    shard = ShardIdMaps(tables, list(range(len(tables))), lambda p, r, w: None, lambda p, r: torch.zeros(r.numel(), 4))
+    for x in stream(steps, 512, len(tables), seed=5):
+        x[1] %= HASHED_ROWS
+        shard.remap(SparseFeatures.one_hot(x), train=True)
+    return shard.groups[0][2]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_victims_by_sorting_the_movable_rows_equal_the_top_k(policy):
+    """Where few rows are movable the victims come from a sort of those rows; the same as the top-k."""
+    group = churned_group(policy, 1)
+    tabs = torch.arange(group.count)
+    clock, s = int(group.s["counters"][0, 0]), group.s
+    n = torch.tensor([5, 300, 40])
+    movable = s["used"] & (s["last"] < clock - 1)
+    lfu = (clock + 1) * group.rows if policy == "lfu" else 0
+    few = group._victims_few(tabs, n, movable, s["last"], s["uses"], lfu)
+    key = s["last"] * group.rows + torch.arange(group.rows) + (s["uses"] * lfu if lfu else 0)
+    vals, rows = torch.topk(torch.where(movable, key, 2**63 - 1), 300, dim=1, largest=False)
+    keep = (torch.arange(300)[None, :] < n[:, None]) & (vals != 2**63 - 1)
+    assert few[0].numel() > 45  # some tables cut at n, some with fewer movable rows
+    assert torch.equal(few[0], tabs[:, None].expand_as(rows)[keep]) and torch.equal(few[1], rows[keep])
+    assert torch.equal(few[2], torch.arange(300).expand_as(rows)[keep])
+
+
+def test_bucket_cache_falls_back_to_probing_when_stale():
+    """Freed rows' buckets: from the row -> bucket cache where it is right, probed where not."""
+    group = churned_group("lru", 1)
+    used = torch.nonzero(group.s["used"])
+    tables, rows = used[:, 0], used[:, 1]
+    ids = group.s["row_id"][tables, rows]
+    truth = probe(group.keys, group.slots, ids, tables * group.buckets, group.buckets - 1)
+    assert bool((truth >= 0).all())
+    assert torch.equal(group._buckets_of(tables, rows), truth)
+    group.bucket_of[::3] = -1  # stale: unknown, and pointing at another table's or row's bucket
+    group.bucket_of[1::3] = torch.roll(group.bucket_of[1::3], 7)
+    assert torch.equal(group._buckets_of(tables, rows), truth)
+    group.slots[truth[:4]] = -2  # ids no longer in the map: a clear error
+    with pytest.raises(KeyError, match="freed row"):
+        group._buckets_of(tables[:4], rows[:4])
+
+
+@pytest.mark.parametrize("laid_out", [True, False])
+def test_distinct_pairs_equal_unique_pairs_within_each_table(laid_out):
+    """The pairs of a lookup (by id, then table) hold, table by table, what unique_pairs gives."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(-50, 50, (3000,), generator=gen)  # many ids repeat, and repeat across tables
+    tables = torch.randint(0, 5, (3000,), generator=gen)
+    if laid_out:
+        tables = tables.sort().values
+    uid, ut, inverse, counts = distinct_pairs(ids, tables)
+    ref = unique_pairs(ids, tables, 5)
+    assert torch.equal(uid[inverse], ids) and torch.equal(ut[inverse], tables)
+    for t in range(5):
+        mine, theirs = ut == t, ref[1] == t
+        assert torch.equal(uid[mine], ref[0][theirs]) and torch.equal(counts[mine], ref[3][theirs])
+    assert bool((uid[1:] >= uid[:-1]).all())
+
+
+def test_batched_rebuild_equals_each_table_rebuilt():
+    """Tables rebuilt together get the buckets IdHashTable._rebuild gives each; the others keep
+    theirs; the row -> bucket cache points at the new buckets."""
+    group = churned_group("lru", 1)
+    refs = [IdHashTable(group.rows - group.shared, m.table.keys.clone(), m.table.slots.clone(), m.table.counts.clone())
+            for m in group.maps]
+    assert all(r.tombstones > 0 for r in refs)
+    for t in (0, 2):
+        refs[t]._rebuild()
+    group._rebuild(torch.tensor([0, 2]))
+    for m, r in zip(group.maps, refs, strict=True):
+        assert torch.equal(m.table.keys, r.keys) and torch.equal(m.table.slots, r.slots)
+        assert torch.equal(m.table.counts, r.counts)
+    used = torch.nonzero(group.s["used"])
+    flat = used[:, 0] * group.rows + used[:, 1]
+    truth = probe(group.keys, group.slots, group.s["row_id"].view(-1)[flat], used[:, 0] * group.buckets,
+                  group.buckets - 1)
+    assert torch.equal(group.bucket_of[flat][used[:, 0] != 1], truth[used[:, 0] != 1])

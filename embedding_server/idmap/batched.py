@@ -26,7 +26,7 @@ from embedding_server.idmap.dynamic import (
     has_sketch,
     shared_rows_of,
 )
-from embedding_server.idmap.hash_table import TOMBSTONE, mix64, probe
+from embedding_server.idmap.hash_table import EMPTY, TOMBSTONE, mix64, probe
 from embedding_server.idmap.sketch import RESET_FACTOR, sketch_cells_of
 
 CLOCK, FREE, ADMITTED, EVICTED = (COUNTERS.index(n) for n in ("clock", "free", "admitted", "evicted"))
@@ -34,6 +34,9 @@ NO_KEY = torch.iinfo(torch.int64).max
 """Sort key of rows that may not be evicted."""
 NO_INDEX = torch.iinfo(torch.int32).max
 """A bucket no key aims at (the insert's scratch)."""
+FEW = 4
+"""Victims are chosen by sorting the movable rows when at most 1/FEW of the rows are movable
+(lfu's candidates can beat few rows), by a top-k over every row otherwise."""
 
 
 def ranks_within(groups: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,15 +50,48 @@ def ranks_within(groups: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.
 def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
     """Distinct (table, id) pairs sorted by table, then id -> (ids [u], tables [u], inverse [n],
     occurrences [u])."""
-    order = torch.argsort(ids, stable=True)
-    order = order[torch.argsort(tables[order], stable=True)]
-    si, st = ids[order], tables[order]
+    order = torch.argsort(ids)  # equal pairs may come in any order: their pair is the same
+    order = order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
+    si, st = ids.index_select(0, order), tables.index_select(0, order)
     first = torch.ones_like(si, dtype=torch.bool)
     first[1:] = (si[1:] != si[:-1]) | (st[1:] != st[:-1])
     which = torch.cumsum(first, 0) - 1  # [n] pair of each sorted element
-    inverse = torch.empty_like(which)
-    inverse[order] = which
-    return si[first], st[first], inverse, torch.bincount(which, minlength=int(first.sum()))
+    inverse = torch.empty_like(which).scatter_(0, order, which)
+    at = torch.nonzero(first).squeeze(1)
+    return si.index_select(0, at), st.index_select(0, at), inverse, torch.bincount(which, minlength=at.numel())
+
+
+def distinct_pairs(ids: torch.Tensor, tables: torch.Tensor):
+    """Distinct (table, id) pairs sorted by id, then table -> (ids [u], tables [u], inverse [n],
+    occurrences [u]). Within a table the pairs are in id order, as :func:`unique_pairs` gives
+    them; one stable sort where ``tables`` [n] is non-decreasing (the values of a lookup are laid
+    out feature by feature)."""
+    pre = None
+    if ids.numel() > 1 and not bool((tables[1:] >= tables[:-1]).all()):
+        pre = torch.argsort(tables, stable=True)
+    order = torch.argsort(ids if pre is None else ids.index_select(0, pre), stable=True)  # equal ids: by table
+    if pre is not None:
+        order = pre.index_select(0, order)
+    si, st = ids.index_select(0, order), tables.index_select(0, order)
+    first = torch.ones_like(si, dtype=torch.bool)
+    first[1:] = (si[1:] != si[:-1]) | (st[1:] != st[:-1])
+    which = torch.cumsum(first, 0) - 1  # [n] pair of each sorted element
+    inverse = torch.empty_like(which).scatter_(0, order, which)
+    at = torch.nonzero(first).squeeze(1)
+    return si.index_select(0, at), st.index_select(0, at), inverse, torch.bincount(which, minlength=at.numel())
+
+
+def by_table_then_priority(tables: torch.Tensor, priority: torch.Tensor, count: int) -> torch.Tensor:
+    """Order of k candidates by table, then priority descending, then position (``tables`` [k],
+    ``priority`` [k] >= 0) -> int64 [k]: one sort of a packed key where it fits in
+    int64, else two stable sorts."""
+    k = tables.numel()
+    top = int(priority.max())
+    if count * (top + 1) * k < 1 << 62:
+        key = (tables * (top + 1) + (top - priority)) * k + torch.arange(k)  # distinct keys
+        return torch.argsort(key)
+    order = torch.argsort(-priority, stable=True)
+    return order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
 
 
 GroupReset = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -83,11 +119,19 @@ class MapGroup:
         self.s, self.reset = stacked, reset
         self.sketch = m0.sketch if has_sketch(self.cfg) else None
         self.first = torch.full_like(slots, NO_INDEX, dtype=torch.int32)  # [M * H] scratch of _insert
+        # [M * R] the bucket of each row's id, as _insert placed it (a cache, checked before use:
+        # -1 or stale after a rebuild or a load; _release then probes for those rows).
+        self.bucket_of = torch.full((self.count * self.rows,), -1, dtype=torch.int64)
 
     def admit(self, ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Rows of ids [n] not in their table's map (``tables`` [n]: the table of each, in the
         group): those admitted now get one, the rest their shared row -> int64 [n]."""
         uniq, ut, inverse, counts = unique_pairs(ids, tables, self.count)  # [u] each
+        return self.admit_distinct(uniq, ut, counts).index_select(0, inverse)
+
+    def admit_distinct(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """:meth:`admit` of distinct pairs (``uniq`` [u] of tables ``ut`` [u], each table's in id
+        order; ``counts`` [u]: their occurrences) -> rows int64 [u]."""
         rows = shared_rows_of(uniq, self.shared)  # [u]
         cand, priority = torch.arange(uniq.numel()), counts
         if self.sketch is not None:
@@ -95,12 +139,11 @@ class MapGroup:
             ok = priority >= self.cfg.admit_after
             cand, priority = cand[ok], priority[ok]
         if cand.numel():  # by table, then most frequent first (ties: lower id, as torch.unique sorts)
-            order = torch.argsort(-priority, stable=True)
-            order = order[torch.argsort(ut[cand][order], stable=True)]
-            cand, priority = cand[order], priority[order]
-            taken, slots = self._admit(uniq[cand], ut[cand], priority)
-            rows[cand[taken]] = slots
-        return rows[inverse]
+            order = by_table_then_priority(ut.index_select(0, cand), priority, self.count)
+            cand, priority = cand.index_select(0, order), priority.index_select(0, order)
+            taken, slots = self._admit(uniq.index_select(0, cand), ut.index_select(0, cand), priority)
+            rows.index_copy_(0, cand.index_select(0, taken), slots)
+        return rows
 
     def _count(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Add the occurrences to each table's sketch -> estimates int64 [u]; halve the sketches
@@ -111,7 +154,7 @@ class MapGroup:
         flat.scatter_add_(0, cells.reshape(-1), counts.to(torch.int32).repeat(depth))
         added = self.s["sketch_added"]
         added.index_add_(0, ut, counts)
-        estimate = flat[cells].amin(dim=0).to(torch.int64)  # [u]
+        estimate = flat.index_select(0, cells.view(-1)).view(cells.shape).amin(dim=0).to(torch.int64)  # [u]
         halve = torch.nonzero(added >= RESET_FACTOR * width).squeeze(1)
         if halve.numel():
             self.s["sketch_counts"][halve] = self.s["sketch_counts"][halve] >> 1
@@ -127,15 +170,16 @@ class MapGroup:
         free_t = counters[:, FREE].clone()  # [M]
         need = torch.nonzero(k_t > free_t).squeeze(1)  # tables with more candidates than free rows
         if self.cfg.evict == "lfu":
-            take = rank < free_t[tables]
+            take = rank < free_t.index_select(0, tables)
             if need.numel():
-                start = torch.cumsum(k_t, 0) - k_t
-                first_out = start[need] + free_t[need]  # the first candidate without a free row
-                vt, vrow, vrank = self._victims(need, k_t[need] - free_t[need], clock, below=priority[first_out])
-                faced = start[vt] + free_t[vt] + vrank  # the candidate each victim faces
-                wins = priority[faced] > self.s["uses"][vt, vrow]
-                self._release(vt[wins], vrow[wins])
-                take[faced[wins]] = True
+                out = torch.cumsum(k_t, 0) - k_t + free_t  # [M] each table's first candidate without a free row
+                vt, vrow, vrank = self._victims(need, k_t[need] - free_t[need], clock,
+                                                below=priority.index_select(0, out[need]))
+                faced = out.index_select(0, vt) + vrank  # the candidate each victim faces
+                used = self.s["uses"].view(-1).index_select(0, vt * self.rows + vrow)
+                wins = torch.nonzero(priority.index_select(0, faced) > used).squeeze(1)
+                self._release(vt.index_select(0, wins), vrow.index_select(0, wins))
+                take.index_fill_(0, faced.index_select(0, wins), True)
         else:
             if need.numel():
                 chunk = (self.rows - self.shared) // EVICT_CHUNK
@@ -145,14 +189,18 @@ class MapGroup:
         taken = torch.nonzero(take).squeeze(1)  # [a] by table, then rank
         if not taken.numel():
             return taken, taken
-        tt = tables[taken]
+        tt = tables.index_select(0, taken)
         j, n_t = ranks_within(tt, self.count)
-        slots = self.s["free"][tt, counters[tt, FREE] - 1 - j]  # [a] popped, top first
+        free_flat = tt * (self.rows - self.shared) + counters[:, FREE].index_select(0, tt) - 1 - j
+        slots = self.s["free"].view(-1).index_select(0, free_flat)  # [a] popped, top first
         counters[:, FREE] -= n_t
-        chosen = ids[taken]
+        chosen = ids.index_select(0, taken)
         self._insert(chosen, tt, slots, n_t)
-        self.s["row_id"][tt, slots], self.s["used"][tt, slots] = chosen, True
-        self.s["last"][tt, slots], self.s["uses"][tt, slots] = clock, priority[taken]
+        flat = tt * self.rows + slots  # [a] distinct
+        self.s["row_id"].view(-1).index_copy_(0, flat, chosen)
+        self.s["used"].view(-1).index_fill_(0, flat, True)
+        self.s["last"].view(-1).index_fill_(0, flat, clock)
+        self.s["uses"].view(-1).index_copy_(0, flat, priority.index_select(0, taken))
         if self.reset is not None:  # fresh weights and optimizer state, every table at once
             self.reset(tt, slots, chosen)
         counters[:, ADMITTED] += n_t
@@ -163,24 +211,44 @@ class MapGroup:
         ttl) or least used, then least recent (lfu); ties: lowest row; ``below`` [len(tabs)]: lfu,
         only rows used fewer times -> (tables [v], rows [v], rank within its table [v])."""
         every = tabs.numel() == self.count  # tabs is 0..M-1: no copies
-        last, used, uses = ((self.s[n] if every else self.s[n][tabs]) for n in ("last", "used", "uses"))  # [m, R]
+        last, used, uses = ((self.s[n] if every else self.s[n].index_select(0, tabs))
+                            for n in ("last", "used", "uses"))  # [m, R]
         if self.cfg.evict == "ttl":
-            movable = used & (last <= clock - self.cfg.ttl_steps)
+            movable = (last <= clock - self.cfg.ttl_steps).logical_and_(used)
         else:
-            movable = used & (last < clock - 1)  # this and the previous lookup's rows stay
-        row = torch.arange(self.rows, dtype=torch.int64)
-        key = last * self.rows + row  # (last, row), exact below 2^63
+            movable = (last < clock - 1).logical_and_(used)  # this and the previous lookup's rows stay
         if below is not None:
-            movable &= uses < below[:, None]
+            movable.logical_and_(uses < below[:, None])
             if int(below.max()) * (clock + 2) * self.rows >= 1 << 62:
                 return self._victims_sorted(tabs, n, movable, last, uses)
-            key = uses * ((clock + 1) * self.rows) + key  # (uses, last, row)
-        key = torch.where(movable, key, NO_KEY)
+        lfu = (clock + 1) * self.rows if below is not None else 0  # key (uses, last, row) / (last, row)
+        if int(movable.sum()) * FEW <= movable.numel():
+            return self._victims_few(tabs, n, movable, last, uses, lfu)
+        row = torch.arange(self.rows, dtype=torch.int64)
+        key = (last * self.rows).add_(row)  # (last, row), exact below 2^63
+        if lfu:
+            key.add_(uses, alpha=lfu)
+        key.masked_fill_(movable.logical_not_(), NO_KEY)
         most = min(int(n.max()), self.rows)
         vals, rows = torch.topk(key, most, dim=1, largest=False, sorted=True)  # [m, most]
         keep = (torch.arange(most)[None, :] < n[:, None]) & (vals != NO_KEY)
         ranks = torch.arange(most).expand_as(rows)
         return tabs[:, None].expand_as(rows)[keep], rows[keep], ranks[keep]
+
+    def _victims_few(self, tabs, n, movable, last, uses, lfu: int):
+        """:meth:`_victims` where few rows are movable: their keys sorted, not a top-k of every row."""
+        at = torch.nonzero(movable.view(-1)).squeeze(1)  # [c] movable (table, row), by table
+        i = torch.div(at, self.rows, rounding_mode="floor")  # [c] position in tabs
+        row = at - i * self.rows
+        key = last.reshape(-1).index_select(0, at) * self.rows + row
+        if lfu:
+            key = uses.reshape(-1).index_select(0, at) * lfu + key
+        order = torch.argsort(key)  # keys are distinct within a table
+        order = order.index_select(0, torch.argsort(i.index_select(0, order), stable=True))
+        i, row = i.index_select(0, order), row.index_select(0, order)
+        rank, _ = ranks_within(i, tabs.numel())
+        ok = torch.nonzero(rank < n.index_select(0, i)).squeeze(1)
+        return tabs.index_select(0, i.index_select(0, ok)), row.index_select(0, ok), rank.index_select(0, ok)
 
     def _victims_sorted(self, tabs, n, movable, last, uses):
         """:meth:`_victims` for lfu by stable sorts, where the packed key would overflow."""
@@ -196,45 +264,92 @@ class MapGroup:
         back on the free stacks in this order."""
         if not rows.numel():
             return
-        pos = probe(self.keys, self.slots, self.s["row_id"][tables, rows], tables * self.buckets, self.buckets - 1)
-        if bool((pos < 0).any()):
-            raise KeyError("MapGroup: a freed row's id is not in its map")
-        self.slots[pos] = TOMBSTONE
+        pos = self._buckets_of(tables, rows)
+        self.slots.index_fill_(0, pos, TOMBSTONE)
         j, r_t = ranks_within(tables, self.count)
         self.s["table_counts"] += torch.stack([-r_t, r_t], 1)
-        self.s["used"][tables, rows] = False
+        self.s["used"].view(-1).index_fill_(0, tables * self.rows + rows, False)
         counters = self.s["counters"]
-        self.s["free"][tables, counters[tables, FREE] + j] = rows
+        free_flat = tables * (self.rows - self.shared) + counters[:, FREE].index_select(0, tables) + j
+        self.s["free"].view(-1).index_copy_(0, free_flat, rows)
         counters[:, FREE] += r_t
         counters[:, EVICTED] += r_t
+
+    def _buckets_of(self, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Bucket (in ``keys``/``slots``) of the id each of ``rows`` [v] of ``tables`` [v] holds,
+        int64 [v]: from :attr:`bucket_of` where that bucket still holds the row's id, else probed."""
+        flat = tables * self.rows + rows  # [v]
+        ids = self.s["row_id"].view(-1).index_select(0, flat)
+        pos = self.bucket_of.index_select(0, flat).clamp(min=0)
+        ok = ((self.slots.index_select(0, pos) == rows) & (self.keys.index_select(0, pos) == ids)
+              & (torch.div(pos, self.buckets, rounding_mode="floor") == tables))  # a live bucket of the id, in its table
+        stale = torch.nonzero(~ok).squeeze(1)
+        if stale.numel():
+            st = tables.index_select(0, stale)
+            found = probe(self.keys, self.slots, ids.index_select(0, stale), st * self.buckets, self.buckets - 1)
+            if bool((found < 0).any()):
+                raise KeyError("MapGroup: a freed row's id is not in its map")
+            pos = pos.index_copy(0, stale, found)
+        return pos
 
     def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, n_t: torch.Tensor) -> None:
         """Add ``keys`` [a] (distinct and absent, by table) with their ``slots`` to the maps'
         hash tables: IdHashTable.insert for every table at once."""
         counts = self.s["table_counts"]  # [M, 2] live, tombstones
-        for t in torch.nonzero((n_t > 0) & (counts.sum(1) + n_t > self.buckets // 2)).squeeze(1).tolist():
-            self.maps[t].table._rebuild()  # the few tables whose tombstones piled up
-        mask, base = self.buckets - 1, tables * self.buckets
-        home = mix64(keys) & mask  # [a]
-        step = torch.zeros_like(home)
-        active = torch.arange(keys.numel())
-        while active.numel():
-            p = base[active] + ((home[active] + step[active]) & mask)
-            free = self.slots[p] < 0
-            # Keys aiming at one free bucket: the first (lowest index) takes it, the rest probe on.
-            cand, cp = active[free], p[free]
-            first = self.first.scatter_reduce_(0, cp, cand.to(torch.int32), "amin")  # [M * H]
-            won = first[cp] == cand
-            first[cp] = NO_INDEX  # the scratch back as it was
-            wp, wk = cp[won], cand[won]
-            reused = torch.bincount(tables[wk][self.slots[wp] == TOMBSTONE], minlength=self.count)
-            counts[:, 1] -= reused
-            self.keys[wp], self.slots[wp] = keys[wk], slots[wk]
-            taken = torch.zeros(keys.numel(), dtype=torch.bool)
-            taken[wk] = True
-            step[active[~free]] += 1  # bucket held by another key: probe on
-            active = active[~taken[active]]
+        rebuild = torch.nonzero((n_t > 0) & (counts.sum(1) + n_t > self.buckets // 2)).squeeze(1)
+        if rebuild.numel():  # the tables whose tombstones piled up: IdHashTable._rebuild of each
+            self._rebuild(rebuild)
+        self._place(keys, tables, slots)
         counts[:, 0] += n_t
+
+    def _rebuild(self, tabs: torch.Tensor) -> None:
+        """Rebuild the hash tables of ``tabs`` [m] from their live keys, re-placed in bucket order
+        (as IdHashTable._rebuild does, every table at once)."""
+        h = self.buckets
+        mine = torch.zeros(self.count, dtype=torch.bool).index_fill_(0, tabs, True)
+        live = torch.nonzero((self.slots >= 0) & mine.repeat_interleave(h)).squeeze(1)  # [l] by table, bucket
+        keys, slots = self.keys.index_select(0, live), self.slots.index_select(0, live)
+        at = (tabs[:, None] * h + torch.arange(h)[None, :]).view(-1)  # [m * H] their buckets
+        self.keys.index_fill_(0, at, 0)
+        self.slots.index_fill_(0, at, EMPTY)
+        counts = self.s["table_counts"]
+        counts.index_fill_(0, tabs, 0)
+        tables = torch.div(live, h, rounding_mode="floor")
+        self._place(keys, tables, slots)
+        counts[:, 0] += torch.bincount(tables, minlength=self.count)
+
+    def _place(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor) -> None:
+        """Put ``keys`` [a] (distinct and absent, by table) with their ``slots`` in free buckets of
+        their tables (linear probing; keys aiming at one bucket: the first takes it); tombstones
+        reused are counted off."""
+        counts = self.s["table_counts"]  # [M, 2] live, tombstones
+        h, r = self.buckets, self.rows
+        mask = h - 1
+        active = torch.arange(keys.numel())  # [a] keys still looking for a bucket
+        tab = tables  # [a] the table of each
+        p = tab * h + (mix64(keys) & mask)  # [a] the bucket each tries
+        while active.numel():
+            s = self.slots.index_select(0, p)
+            free = s < 0
+            at = torch.nonzero(free).squeeze(1)
+            # Keys aiming at one free bucket: the first (lowest index) takes it, the rest probe on.
+            cand, cp = active.index_select(0, at), p.index_select(0, at)
+            first = self.first.scatter_reduce_(0, cp, cand.to(torch.int32), "amin")  # [M * H]
+            won = first.index_select(0, cp) == cand
+            first.index_fill_(0, cp, NO_INDEX)  # the scratch back as it was
+            wi = torch.nonzero(won).squeeze(1)
+            wp, wk = cp.index_select(0, wi), cand.index_select(0, wi)
+            wt, ws = tables.index_select(0, wk), slots.index_select(0, wk)
+            reused = s.index_select(0, at.index_select(0, wi)) == TOMBSTONE
+            counts[:, 1] -= torch.bincount(wt.masked_select(reused), minlength=self.count)
+            self.keys.index_copy_(0, wp, keys.index_select(0, wk))
+            self.slots.index_copy_(0, wp, ws)
+            self.bucket_of.index_copy_(0, wt * r + ws, wp)
+            # bucket held by another key: probe on; lost the race: try the same bucket again
+            p = torch.where(free, p, tab * h + ((p + 1) & mask))
+            keep = torch.ones_like(free).index_fill_(0, at.index_select(0, wi), False)
+            go = torch.nonzero(keep).squeeze(1)
+            active, p, tab = active.index_select(0, go), p.index_select(0, go), tab.index_select(0, go)
 
     def expire(self) -> None:
         """ttl: every ttl_steps lookups, the ids unused for ttl_steps lose their rows."""

@@ -46,23 +46,29 @@ def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torc
     """Bucket of each id in ``keys``/``slots`` [H], int64 [n] (-1: absent). Id i probes buckets
     base_i + ((home + k) & mask_i): several tables laid side by side in one buffer are searched
     in one call (``base``, ``mask``: per id, or one int for a single table)."""
-    out = torch.full_like(ids, -1)
-    home = mix64(ids) & mask
-    pos = home + base
-    s = slots[pos]
-    hit = (s >= 0) & (keys[pos] == ids)  # the first round over every id, most end here
-    out[hit] = pos[hit]
-    active = torch.nonzero(~hit & (s != EMPTY)).squeeze(1)
-    step = torch.ones_like(ids)
+    pos = (mix64(ids) & mask) + base  # [n] home buckets
+    s = slots.index_select(0, pos)  # index_select: far cheaper than x[index] on CPU
+    hit = (s >= 0) & (keys.index_select(0, pos) == ids)  # the first round over every id, most end here
+    out = torch.where(hit, pos, -1)
+    active = torch.nonzero(~hit & (s != EMPTY)).squeeze(1)  # [a] ids still probing
+    if not active.numel():
+        return out
+    p, a_ids = pos.index_select(0, active), ids.index_select(0, active)  # [a] each
+    a_base = base.index_select(0, active) if isinstance(base, torch.Tensor) else base
+    a_mask = mask.index_select(0, active) if isinstance(mask, torch.Tensor) else mask
     while active.numel():
-        step[active] += 1
-        b = base[active] if isinstance(base, torch.Tensor) else base
-        m = mask[active] if isinstance(mask, torch.Tensor) else mask
-        p = b + ((home[active] + step[active] - 1) & m)
-        s = slots[p]
-        hit = (s >= 0) & (keys[p] == ids[active])
-        out[active[hit]] = p[hit]
-        active = active[~hit & (s != EMPTY)]  # past a tombstone or another key: probe on
+        p = a_base + ((p - a_base + 1) & a_mask)  # the next bucket of the id's own table
+        s = slots.index_select(0, p)
+        hit = (s >= 0) & (keys.index_select(0, p) == a_ids)
+        if bool(hit.any()):
+            at = torch.nonzero(hit).squeeze(1)
+            out.index_copy_(0, active.index_select(0, at), p.index_select(0, at))
+        go = torch.nonzero(~hit & (s != EMPTY)).squeeze(1)  # past a tombstone or another key: probe on
+        active, p, a_ids = active.index_select(0, go), p.index_select(0, go), a_ids.index_select(0, go)
+        if isinstance(a_base, torch.Tensor):
+            a_base = a_base.index_select(0, go)
+        if isinstance(a_mask, torch.Tensor):
+            a_mask = a_mask.index_select(0, go)
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import shared_row_count
-from embedding_server.idmap.batched import MapGroup
+from embedding_server.idmap.batched import MapGroup, distinct_pairs
 from embedding_server.idmap.dynamic import (
     COUNTERS,
     DynamicIdMap,
@@ -169,34 +169,44 @@ class ShardIdMaps:
         bounds = sparse.offsets[::b][: f_count + 1]  # [F + 1] each feature's span of values
         map_of_value = torch.repeat_interleave(self.map_of_feature, bounds.diff())  # [N], -1: hashed
         where = torch.nonzero(map_of_value >= 0).squeeze(1)  # [M_n] the dynamic tables' values
-        ids, k = sparse.values[where], map_of_value[where]
-        pos = probe(self.keys, self.slots, ids, self.bucket_base[k], self.bucket_mask[k])
-        rows = torch.where(pos >= 0, self.slots[pos.clamp(min=0)], torch.full_like(pos, -1))
+        ids, k = sparse.values.index_select(0, where), map_of_value.index_select(0, where)  # [M_n]
         if train:
-            rows = self._train(ids, k, rows)
+            rows = self._train(ids, k)
         else:  # ids without a row read their shared row
-            rows = torch.where(rows >= 0, rows, shared_rows_of(ids, self.shared[k]))
+            rows = self._find(ids, k)
+            rows = torch.where(rows >= 0, rows, shared_rows_of(ids, self.shared.index_select(0, k)))
         values = sparse.values.clone()
-        values[where] = rows
+        values.index_copy_(0, where, rows)
         return SparseFeatures(values, sparse.offsets, sparse.batch_size)
 
-    def _train(self, ids: torch.Tensor, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One training step of every map: touch known rows, admit new ids, count, expire."""
+    def _find(self, ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Row of each id [n] in map k [n] of it, int64 [n] (-1: not admitted): one probe of every map."""
+        pos = probe(self.keys, self.slots, ids, self.bucket_base.index_select(0, k), self.bucket_mask.index_select(0, k))
+        return torch.where(pos >= 0, self.slots.index_select(0, pos.clamp(min=0)), -1)
+
+    def _train(self, ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """One training step of every map on ids [n] (of maps k [n]): touch known rows, admit new
+        ids, count, expire -> rows int64 [n]. Works on the distinct (map, id) pairs (u)."""
         clock, default = COUNTERS.index("clock"), COUNTERS.index("default_lookups")
         self.counters[:, clock] += 1
-        known = rows >= 0
-        flat = self.row_base[k[known]] + rows[known]
-        self.last[flat] = self.counters[0, clock]  # every map ticks together
-        self.uses.index_add_(0, flat, torch.ones_like(flat))
-        absent = torch.nonzero(~known).squeeze(1)
+        uid, uk, inverse, counts = distinct_pairs(ids, k)  # [u] each, [n]
+        rows = self._find(uid, uk)  # [u]
+        known = torch.nonzero(rows >= 0).squeeze(1)
+        flat = self.row_base.index_select(0, uk.index_select(0, known)) + rows.index_select(0, known)
+        self.last.index_fill_(0, flat, int(self.counters[0, clock]))  # every map ticks together
+        self.uses.index_add_(0, flat, counts.index_select(0, known))
+        absent = torch.nonzero(rows < 0).squeeze(1)
         if absent.numel():
-            k_absent = k[absent]
+            k_absent = uk.index_select(0, absent)
             for first, last, group in self.groups:  # every table of a group at once
-                sel = absent[(k_absent >= first) & (k_absent < last)]
+                sel = absent.masked_select((k_absent >= first) & (k_absent < last))
                 if sel.numel():
-                    rows[sel] = group.admit(ids[sel], k[sel] - first)
-        shared = rows < self.shared[k]
-        self.counters[:, default] += torch.bincount(k[shared], minlength=len(self.map_list))
+                    got = group.admit_distinct(uid.index_select(0, sel), uk.index_select(0, sel) - first,
+                                               counts.index_select(0, sel))
+                    rows.index_copy_(0, sel, got)
+        rows = rows.index_select(0, inverse)  # [n]
+        shared = rows < self.shared.index_select(0, k)
+        self.counters[:, default] += torch.bincount(k.masked_select(shared), minlength=len(self.map_list))
         for _, _, group in self.groups:
             group.expire()
         return rows
