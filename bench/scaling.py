@@ -2,8 +2,8 @@
 servers), predicted from measured component costs, checked against every configuration the
 other benches measured on this machine, and extrapolated to a data-centre layout.
 
-Components, measured here (``--measure``; one thread each unless said; the fastest of 9 runs,
-the least disturbed by the machine's other tenants):
+Components, measured here (``--measure``; one thread each unless said; medians of 9 runs, so
+measure on a quiet machine):
 
     dense       the trainer's dense forward + backward + Adam, per sample (1 and 2 threads)
     lookup      an embedding server's fused lookup of the 26 tables, per sample
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -82,18 +83,21 @@ class Costs:
     transfer_cpu_s_per_byte: float
     """CPU seconds each side (sender, receiver) spends per byte sent over Gloo (copies, system
     calls, Gloo's threads): what the exchange costs the cores it shares with the compute."""
+    step_overhead_s: float = 0.0
+    """Seconds per step a CPU trainer spends beyond the components (the training loop's own
+    work: loss, zero_grad, the step's bookkeeping): the one fitted term, the measured one-process
+    step minus the components' sum; GPU trainers' rate is assumed to include it."""
 
 
-def _least_time(fn, reps: int = 9) -> float:
-    """The fastest of ``reps`` runs (after one warm-up): the least disturbed by other tenants of
-    this shared machine, so the model sees the work, not the neighbours."""
+def _typical_time(fn, reps: int = 9) -> float:
+    """The median of ``reps`` runs (after one warm-up); measure on a quiet machine."""
     fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return statistics.median(times)
 
 
 def _dense_step(b: int):
@@ -166,19 +170,19 @@ def measure() -> Costs:
     ids = torch.from_numpy(ids_np)
     dense_step = _dense_step(b)
     torch.set_num_threads(1)
-    one = _least_time(dense_step)
+    one = _typical_time(dense_step)
     torch.set_num_threads(2)
-    two = _least_time(dense_step)
+    two = _typical_time(dense_step)
     torch.set_num_threads(1)
     pair = _dense_pair_s(b // 2)
     spec = criteo_spec([dt.ROWS] * F, [D] * F)
     shard = EmbeddingShard([LocalTable(t, i) for i, t in enumerate(spec.tables)], SparseOptimizerConfig(lr=tt.SPARSE_LR))
     sparse = SparseFeatures.one_hot(ids)
     ones = torch.ones(b, F * D)
-    lookup = _least_time(lambda: shard(sparse))
-    both = _least_time(lambda: shard(sparse).backward(ones))
-    correct = _least_time(_correction_work(shard, ids, torch.from_numpy(ids2_np)))
-    client = _least_time(_client_work(sparse, spec))
+    lookup = _typical_time(lambda: shard(sparse))
+    both = _typical_time(lambda: shard(sparse).backward(ones))
+    correct = _typical_time(_correction_work(shard, ids, torch.from_numpy(ids2_np)))
+    client = _typical_time(_client_work(sparse, spec))
     latency, message_cpu, bw, cpu_per_byte = _loopback()
     return Costs(one / b, one / two, pair, lookup / b, max(both - lookup, 0.0) / b, correct / b, client / b, latency,
                  message_cpu, bw, cpu_per_byte)
@@ -319,13 +323,13 @@ def step_seconds(c: Costs, lay: Layout, mode: str, batch: int) -> tuple[float, s
     """(seconds per step, the bottleneck) of one global batch. mode: lockstep | exact |
     exact-uncorrected | semi-sync."""
     if lay.servers == 0:
-        return batch * (c.dense_s / c.dense_speedup_2 + c.lookup_s + c.update_s), "one process's CPU"
+        return batch * (c.dense_s / c.dense_speedup_2 + c.lookup_s + c.update_s) + c.step_overhead_s, "one process's CPU"
     bt = batch / lay.trainers
     speedup = c.dense_speedup_2 if lay.trainer_threads >= 2 else 1.0
     per_sample = c.dense_pair_s if lay.shared and lay.trainers >= 2 and lay.trainer_threads == 1 else c.dense_s / speedup
     dense = bt / lay.dense_samples_per_s if lay.dense_samples_per_s else bt * per_sample
     messages = 2 * lay.servers * lay.chunks  # a trainer's messages per direction and step
-    w_t = dense + bt * c.client_s + messages * c.message_cpu_s
+    w_t = dense + bt * c.client_s + messages * c.message_cpu_s + (0.0 if lay.dense_samples_per_s else c.step_overhead_s)
     per_server = batch / lay.servers / lay.server_threads  # examples' lookups per server thread
     lookup, update = per_server * c.lookup_s, per_server * c.update_s
     correct = per_server * c.correct_s if mode == "exact" else 0.0
@@ -438,6 +442,9 @@ def main() -> None:
     else:
         costs = Costs(**json.loads(previous.read_text())["costs"])
     local, hosts = measured_rates(args.out)
+    if args.measure and "single" in local:  # the one fitted term: the loop's own work per step
+        costs.step_overhead_s = 0.0
+        costs.step_overhead_s = max(2048 / local["single"] - step_seconds(costs, Layout(1, 0), "lockstep", 2048)[0], 0.0)
     rows = predictions(costs, 2048, local) + (host_predictions(costs, hosts) if hosts else [])
     for r in rows:
         r["error"] = r["predicted"] / r["measured"] - 1
@@ -460,7 +467,8 @@ def render(r: dict) -> str:
              f"correction {us['correct_s']:.2f}, trainer routing and assembly {us['client_s']:.2f}; messages: "
              f"{us['latency_s']:.0f} µs one way, {us['message_cpu_s']:.0f} µs of CPU each, "
              f"{c['loopback_bytes_per_s'] / 1e9:.2f} GB/s over loopback, {1e9 * c['transfer_cpu_s_per_byte']:.2f} ns of "
-             "CPU per byte on each side.", "",
+             f"CPU per byte on each side; fitted: {1e3 * c.get('step_overhead_s', 0.0):.1f} ms per CPU trainer step beyond them "
+             "(the one-process step minus the components).", "",
              "| configuration | predicted samples/s | measured | error | bottleneck |", "|---|---:|---:|---:|---|"]
     for row in r["checks"]:
         lines.append(f"| {row['config']} | {row['predicted']:,.0f} | {row['measured']:,.0f} | {100 * row['error']:+.0f}% | "
