@@ -70,7 +70,7 @@ def server_key(kind: str, row_dtype: str) -> str:
     return kind if row_dtype == "fp32" else f"{kind}-{row_dtype}"
 
 
-def prepare(work: Path, row_dtypes: list[str]) -> tuple[Path, Path]:
+def prepare(work: Path, row_dtypes: tuple[str, ...] | list[str] = ("fp32",)) -> tuple[Path, Path]:
     """Data, a trained model and a published file store per row dtype (cached in ``work``)."""
     data, run = work / "data", work / "run"
     if not (data / "bayes.json").exists():
