@@ -7,8 +7,8 @@ import torch
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
 from embedding_server.correction import (
-    applies,
     RowMarks,
+    applies,
     changed_bags,
     correction_messages,
     message_capacity,
