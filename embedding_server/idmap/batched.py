@@ -47,11 +47,9 @@ def ranks_within(groups: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.
     return torch.arange(groups.numel()) - start[groups], per
 
 
-def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
-    """Distinct (table, id) pairs sorted by table, then id -> (ids [u], tables [u], inverse [n],
-    occurrences [u])."""
-    order = torch.argsort(ids)  # equal pairs may come in any order: their pair is the same
-    order = order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
+def _pairs_in_order(ids: torch.Tensor, tables: torch.Tensor, order: torch.Tensor):
+    """The distinct (table, id) pairs of ``order`` (a permutation [n] that puts equal pairs next
+    to each other), in that order -> (ids [u], tables [u], inverse [n], occurrences [u])."""
     si, st = ids.index_select(0, order), tables.index_select(0, order)
     first = torch.ones_like(si, dtype=torch.bool)
     first[1:] = (si[1:] != si[:-1]) | (st[1:] != st[:-1])
@@ -59,6 +57,14 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
     inverse = torch.empty_like(which).scatter_(0, order, which)
     at = torch.nonzero(first).squeeze(1)
     return si.index_select(0, at), st.index_select(0, at), inverse, torch.bincount(which, minlength=at.numel())
+
+
+def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
+    """Distinct (table, id) pairs sorted by table, then id -> (ids [u], tables [u], inverse [n],
+    occurrences [u])."""
+    order = torch.argsort(ids)  # equal pairs may come in any order: their pair is the same
+    order = order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
+    return _pairs_in_order(ids, tables, order)
 
 
 def distinct_pairs(ids: torch.Tensor, tables: torch.Tensor):
@@ -72,13 +78,7 @@ def distinct_pairs(ids: torch.Tensor, tables: torch.Tensor):
     order = torch.argsort(ids if pre is None else ids.index_select(0, pre), stable=True)  # equal ids: by table
     if pre is not None:
         order = pre.index_select(0, order)
-    si, st = ids.index_select(0, order), tables.index_select(0, order)
-    first = torch.ones_like(si, dtype=torch.bool)
-    first[1:] = (si[1:] != si[:-1]) | (st[1:] != st[:-1])
-    which = torch.cumsum(first, 0) - 1  # [n] pair of each sorted element
-    inverse = torch.empty_like(which).scatter_(0, order, which)
-    at = torch.nonzero(first).squeeze(1)
-    return si.index_select(0, at), st.index_select(0, at), inverse, torch.bincount(which, minlength=at.numel())
+    return _pairs_in_order(ids, tables, order)
 
 
 def by_table_then_priority(tables: torch.Tensor, priority: torch.Tensor, count: int) -> torch.Tensor:
