@@ -39,6 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from starlette._utils import get_route_path  # the path routes match (Starlette's own rule)
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -72,16 +73,6 @@ class FastRoute:
     """Starlette's compiled pattern of the template."""
     handler: Handler | None
     """The scoring handler, or None: a POST route that FastAPI answers."""
-
-
-def get_route_path(scope) -> str:
-    """The path routes match against: ``scope["path"]`` less ``root_path`` (Starlette's rule)."""
-    path, root = scope["path"], scope.get("root_path", "")
-    if not root or not path.startswith(root):
-        return path
-    if path == root:
-        return ""
-    return path[len(root):] if path[len(root)] == "/" else path
 
 
 class FastScoring:
