@@ -347,21 +347,19 @@ def step_seconds(c: Costs, lay: Layout, mode: str, batch: int) -> tuple[float, s
     else:  # semi-sync: lookup of i+1 does not wait for update i
         step = max(w_t + c.latency_s, lookup + update + x_in / lay.chunks, x_in, x_out)
     parts = {"trainer compute": w_t, "server compute": lookup + update + correct, "link": max(x_in, x_out)}
-    busy = lay.trainers * (lay.trainer_threads if not lay.dense_samples_per_s else 1) + lay.servers * lay.server_threads
-    if lay.shared and busy > lay.cores:
-        # More busy threads than cores: a server's work beside the trainers' dense step stalls
-        # their thread team, so compute does not overlap compute; only the wire time beyond the
-        # copies' CPU (a slow link) overlaps. Loopback transfers are copies: CPU too.
-        moved = batch * (2 * pooled + BYTES["ids"]) * 2
-        serial = w_t + lookup + update + correct + moved * c.transfer_cpu_s_per_byte / 2
-        parts["shared CPU cores (oversubscribed)"] = serial
-        step = max(step, serial)
-    if lay.shared:  # every rank on the same cores: their CPU time adds up
+    if lay.shared:  # every rank on the same cores
+        copies = batch * (2 * pooled + BYTES["ids"]) * 2 * c.transfer_cpu_s_per_byte  # each byte: its sender's and receiver's copy
+        busy = lay.trainers * (lay.trainer_threads if not lay.dense_samples_per_s else 1) + lay.servers * lay.server_threads
+        if busy > lay.cores:
+            # More busy threads than cores: a server's work beside the trainers' dense step stalls
+            # their thread team, so compute does not overlap compute; only the wire time beyond the
+            # copies' CPU (a slow link) overlaps. Loopback transfers are copies: CPU too.
+            parts["shared CPU cores (oversubscribed)"] = w_t + lookup + update + correct + copies / 2
+            step = max(step, parts["shared CPU cores (oversubscribed)"])
+        # their CPU time adds up; a 2-thread dense step holds 2 cores, a GPU's none
         threads = lay.trainer_threads if not lay.dense_samples_per_s else 0
-        dense_cpu = dense * threads if threads >= 2 else (dense if threads else 0.0)  # a 2-thread step holds 2 cores
-        moved = batch * (2 * pooled + BYTES["ids"]) * 2  # every byte copied out by its sender, in by its receiver
-        cpu = (lay.trainers * (dense_cpu + bt * c.client_s + messages * c.message_cpu_s)
-               + lay.servers * lay.server_threads * (lookup + update + correct) + moved * c.transfer_cpu_s_per_byte)
+        cpu = (lay.trainers * (dense * threads + bt * c.client_s + messages * c.message_cpu_s)
+               + lay.servers * lay.server_threads * (lookup + update + correct) + copies)
         parts["shared CPU cores"] = cpu / lay.cores
         step = max(step, parts["shared CPU cores"])
     return step, max(parts, key=parts.get)
@@ -390,7 +388,11 @@ def predictions(c: Costs, batch: int, measured: dict) -> list[dict]:
 
 
 def measured_rates(results: Path) -> tuple[dict, dict | None]:
-    dt = json.loads((results / "distributed_throughput.json").read_text())["results"]
+    measured = results / "distributed_throughput.json"
+    if not measured.exists():
+        raise SystemExit(f"scaling.py: {measured} not found: run bench/distributed_throughput.py first "
+                         "(the model is checked against it)")
+    dt = json.loads(measured.read_text())["results"]
     local = {name: r["samples_per_s"] for name, r in dt.items() if not name.startswith("torchrec")}
     hosts = None
     pipe = results / "pipeline.json"
@@ -436,12 +438,12 @@ def main() -> None:
     p.add_argument("--dc-batch", type=int, default=65_536)
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
+    local, hosts = measured_rates(args.out)  # before measuring: what the model is checked against
     previous = args.out / "scaling.json"
     if args.measure or not previous.exists():
         costs = measure()
     else:
         costs = Costs(**json.loads(previous.read_text())["costs"])
-    local, hosts = measured_rates(args.out)
     if args.measure and "single" in local:  # the one fitted term: the loop's own work per step
         costs.step_overhead_s = 0.0
         costs.step_overhead_s = max(2048 / local["single"] - step_seconds(costs, Layout(1, 0), "lockstep", 2048)[0], 0.0)
