@@ -147,16 +147,23 @@ def _connect(port: int):
         return None
 
 
+EPOCHS = 3
+"""Long enough (about 900 steps) that three deltas are cut well before the run ends, at any speed."""
+
+
 def test_incremental_checkpoints_bound_the_updates_a_killed_server_loses(synth_small, tmp_path):
     out, interval = tmp_path / "run", 1.0
     args = ["train", "--train", synth_small / "train.txt", "--test", synth_small / "test.txt", "--out", out,
             "--config", "configs/tiny.toml", "--batch-size", "64", "--no-progress", "--embedding-servers", "2",
             "--set", "train.checkpoint_every_steps=0", "--set", f"train.checkpoint_delta_every_s={interval}",
-            "--set", f"dist.timeout_s={TIMEOUT_S}"]
+            "--set", f"dist.timeout_s={TIMEOUT_S}", "--epochs", EPOCHS]
     proc = subprocess.Popen([*DLRM, *map(str, args)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
     def deltas() -> list[Path] | None:
+        if proc.poll() is not None:  # ended before three deltas: fail now, with what it printed
+            raise AssertionError(f"the run ended (status {proc.returncode}) before three deltas:\n"
+                                 f"{proc.stdout.read()}")
         try:
             chain = checkpoint_chain(latest_checkpoint(out / "checkpoints"))
         except Exception:  # none yet, or pruned while read
@@ -182,8 +189,8 @@ def test_incremental_checkpoints_bound_the_updates_a_killed_server_loses(synth_s
                              timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["samples_seen"] == 20_000  # the chain (full + deltas) restored onto both servers
+    assert metrics["samples_seen"] == 20_000 * EPOCHS  # the chain (full + deltas) restored onto both servers
     assert metrics["resumed_after_fault"]["steps_redone"] == max(lost, 0)
-    reference = Trainer(tiny_config(train={"batch_size": 64}), tmp_path / "ref").fit(
+    reference = Trainer(tiny_config(train={"batch_size": 64, "epochs": EPOCHS}), tmp_path / "ref").fit(
         [synth_small / "train.txt"], [synth_small / "test.txt"])
     assert abs(metrics["test_auc"] - reference["test_auc"]) < 0.003
