@@ -8,7 +8,11 @@
 * ``quality``: test AUC of ``exact`` vs ``semi-sync`` on --quality-rows generated rows (one
   server, one trainer, the default model; several seeds), beside the Bayes-optimal AUC.
 
-Usage: python bench/pipeline.py [--parts hosts,quality] [--rows 150000] [--quality-rows 500000].
+* ``link`` (part of ``hosts``, or alone to add it to the last hosts results): the shaped link as
+  the job sees it, Gloo messages of one step's size one way and both ways at once
+  (``bench/link_probe.py``), read by the scaling model.
+
+Usage: python bench/pipeline.py [--parts hosts,quality|link] [--rows 150000] [--quality-rows 500000].
 Writes bench/results/pipeline.{json,md}.
 """
 
@@ -62,9 +66,48 @@ def run_on_hosts(hosts: netns.Hosts, flags: list[str], out: Path, port: int, top
     if failed:
         raise SystemExit("ranks failed:\n" + "\n".join(failed))
     m = json.loads((out / "metrics.json").read_text())
+    moved = m["alltoall_bytes_per_sample"]
     return {"samples_per_s": m["train_samples_per_s"], "test_auc": m["test_auc"],
             "communication_ms_per_step": m["communication_ms_per_step"],
-            "cross_host_bytes_per_sample": m["cross_host_bytes_per_sample"]}
+            "cross_host_bytes_per_sample": m["cross_host_bytes_per_sample"],
+            "trainer_to_server_bytes_per_sample": moved["trainers_to_servers"],
+            "server_to_trainer_bytes_per_sample": moved["servers_to_trainers"] + moved["corrections"],
+            "correction_bytes_per_sample": moved["corrections"]}
+
+
+def shape_links(hosts: netns.Hosts, rate: str) -> None:
+    for ns in hosts.names:  # each host's egress: the data-centre link
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", hosts.ifname, "root", "tbf",
+                        "rate", rate, "burst", "256kb", "latency", "50ms"], check=True)
+
+
+def probe_link(hosts: netns.Hosts, port: int, work: Path, message_bytes: int, reps: int = 5) -> dict:
+    """The shaped link as the job sees it: Gloo messages of one step's pooled vectors, one way
+    and both ways at once (bench/link_probe.py), and the one-way latency of a tiny message."""
+    out = work / "link.json"
+    argv = [sys.executable, str(HERE / "link_probe.py"), str(message_bytes), str(reps), str(out)]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "MASTER_ADDR": hosts.addrs[0], "MASTER_PORT": str(port),
+               "GLOO_SOCKET_IFNAME": hosts.ifname}
+        procs.append(subprocess.Popen(hosts.command(rank, argv), env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("link probe failed:\n" + "\n".join(o[-2000:] for o in outputs))
+    return json.loads(out.read_text())
+
+
+def probe_bytes(args) -> int:
+    """One step's pooled vectors of the hosts runs (26 features x dim 64, fp32)."""
+    return args.batch_size * 26 * 64 * 4
+
+
+def link_part(args, work: Path, hosts: dict) -> dict:
+    """Only the link probe, on a fresh pair of shaped namespace hosts, into the last hosts results."""
+    with netns.Hosts(2, net=79) as pair:
+        shape_links(pair, hosts.get("rate", args.rate))
+        return {**hosts, "link": probe_link(pair, 29890, work, probe_bytes(args))}
 
 
 def hosts_part(args, work: Path) -> dict:
@@ -79,9 +122,8 @@ def hosts_part(args, work: Path) -> dict:
     topology.write_text(json.dumps({"hosts": [[0], [1]]}))
     runs: dict[str, list[dict]] = {name: [] for name in MODES}
     with netns.Hosts(2, net=79) as hosts:
-        for ns in hosts.names:  # each host's egress: the data-centre link
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", hosts.ifname, "root", "tbf",
-                            "rate", args.rate, "burst", "256kb", "latency", "50ms"], check=True)
+        shape_links(hosts, args.rate)
+        link = probe_link(hosts, 29890, work, probe_bytes(args))
         port = 29900
         for r in range(args.rounds):
             for name, mode in MODES.items():
@@ -95,7 +137,7 @@ def hosts_part(args, work: Path) -> dict:
     lock = table["lockstep"]["samples_per_s"]
     for row in table.values():
         row["vs_lockstep"] = row["samples_per_s"] / lock
-    return {"rate": args.rate, "rows": args.rows, "results": table, "per_round": runs}
+    return {"rate": args.rate, "rows": args.rows, "results": table, "per_round": runs, "link": link}
 
 
 def quality_part(args, work: Path) -> dict:
@@ -130,6 +172,12 @@ def markdown(r: dict) -> str:
             lines.append(f"| {name} | {row['samples_per_s']:,.0f} | {row['vs_lockstep']:.2f}x | "
                          f"{row['communication_ms_per_step']:.1f} |")
         lines.append("")
+        if "link" in h:
+            k = h["link"]
+            lines += [f"The link as Gloo sees it ({k['message_bytes'] / 1e6:.1f} MB messages): one way "
+                      f"{k['one_way_bytes_per_s'] / 1e6:.1f} MB/s, both ways at once "
+                      f"{k['both_ways_bytes_per_s'] / 1e6:.1f} MB/s per direction, one-way latency "
+                      f"{1e3 * k['latency_s']:.2f} ms.", ""]
     elif h:
         lines += [f"hosts part skipped: {h['skipped']}", ""]
     q = r.get("quality")
@@ -163,6 +211,8 @@ def main() -> None:
     result = {**previous, "date": time.strftime("%Y-%m-%d %H:%M"), "cpus": os.cpu_count()}
     if "hosts" in parts:
         result["hosts"] = hosts_part(args, args.work)
+    elif "link" in parts and "results" in result.get("hosts", {}):
+        result["hosts"] = link_part(args, args.work, result["hosts"])
     if "quality" in parts:
         result["quality"] = quality_part(args, args.work)
     args.out.mkdir(parents=True, exist_ok=True)

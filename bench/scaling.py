@@ -36,15 +36,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -52,238 +47,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
 import train_throughput as tt  # noqa: E402
+from scaling_measure import Costs, measure  # noqa: E402
 
 F, D = tt.T, tt.DIM
 BYTES = {"ids": 4 * F, "pooled": 4 * F * D, "grads": 4 * F * D}
-
-
-@dataclass
-class Costs:
-    dense_s: float
-    """Seconds per sample of the dense step (forward, backward, Adam), one thread."""
-    dense_speedup_2: float
-    """Speed-up of the dense step on two threads."""
-    dense_pair_s: float
-    """Seconds per sample of the one-thread dense step while another process runs it on the other
-    core (two trainers on this machine)."""
-    lookup_s: float
-    """Seconds per sample of a server's fused lookup of all 26 tables, one thread."""
-    update_s: float
-    """Seconds per sample of a server's fused row-wise Adagrad update (fbgemm's backward), one thread."""
-    correct_s: float
-    """Seconds per sample of a corrected lookup's extra work (changed bags, re-lookup, messages)."""
-    client_s: float
-    """Seconds per sample of the trainer's routing, packing, assembly and gradient split."""
-    latency_s: float
-    """One-way latency of a small point-to-point message (Gloo, loopback)."""
-    message_cpu_s: float
-    """Seconds a rank spends per small message posted in a burst (posting, completing)."""
-    loopback_bytes_per_s: float
-    """Bytes per second of one loopback Gloo stream."""
-    transfer_cpu_s_per_byte: float
-    """CPU seconds each side (sender, receiver) spends per byte sent over Gloo (copies, system
-    calls, Gloo's threads): what the exchange costs the cores it shares with the compute."""
-    step_overhead_s: float = 0.0
-    """Seconds per step a CPU trainer spends beyond the components (the training loop's own
-    work: loss, zero_grad, the step's bookkeeping): the one fitted term, the measured one-process
-    step minus the components' sum; GPU trainers' rate is assumed to include it."""
-
-
-def _typical_time(fn, reps: int = 9) -> float:
-    """The median of ``reps`` runs (after one warm-up); measure on a quiet machine."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _dense_step(b: int):
-    """The trainer's dense step on a batch of ``b`` (the bench workload's model and optimizer)."""
-    import distributed_throughput as dt
-
-    from dense_trainer.model import build_dense_model
-    from embedding_server.optimizers import DenseOptimizerConfig, build_dense_optimizer
-
-    cfg = dt.bench_config(0, 1)
-    (dense_np, _, y_np), = tt.make_batches(dt.ROWS, "uniform", 1)
-    dense, y = torch.from_numpy(dense_np[:b]), torch.from_numpy(y_np[:b])
-    model = build_dense_model(cfg.model, tt.NUM_DENSE, [D] * F, D)
-    opt = build_dense_optimizer(DenseOptimizerConfig(lr=tt.DENSE_LR), model.parameters())
-    emb = torch.randn(b, F * D, requires_grad=True)
-
-    def step() -> None:
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, emb), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    return step
-
-
-def _dense_twin(rank: int, port: int, b: int, out: str) -> None:
-    """One of two processes running the one-thread dense step at the same moments."""
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    step = _dense_step(b)
-    step()
-    times = []
-    for _ in range(9):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    if rank == 0:
-        Path(out).write_text(json.dumps(min(times)))
-    dist.destroy_process_group()
-
-
-def _dense_pair_s(b: int) -> float:
-    """Seconds per sample of the one-thread dense step while a second process runs it beside it
-    (two trainers sharing this machine's two cores: caches and memory bandwidth shared)."""
-    import torch.multiprocessing as mp
-
-    from dense_trainer.distributed import free_port
-
-    out = Path(tempfile.mkdtemp()) / "pair.json"
-    mp.start_processes(_dense_twin, args=(free_port(), b, str(out)), nprocs=2, start_method="spawn", join=True)
-    return json.loads(out.read_text()) / b
-
-
-def measure() -> Costs:
-    """Measure the components on this machine (a few seconds each)."""
-    import distributed_throughput as dt
-
-    from dlrm_core.batch import SparseFeatures
-    from dlrm_core.schema import criteo_spec
-    from embedding_server.local_table import LocalTable
-    from embedding_server.optimizers import SparseOptimizerConfig
-    from embedding_server.shard import EmbeddingShard
-
-    b = dt.GLOBAL_BATCH
-    (_, ids_np, _), (_, ids2_np, _) = tt.make_batches(dt.ROWS, "uniform", 2)
-    ids = torch.from_numpy(ids_np)
-    dense_step = _dense_step(b)
-    torch.set_num_threads(1)
-    one = _typical_time(dense_step)
-    torch.set_num_threads(2)
-    two = _typical_time(dense_step)
-    torch.set_num_threads(1)
-    pair = _dense_pair_s(b // 2)
-    spec = criteo_spec([dt.ROWS] * F, [D] * F)
-    shard = EmbeddingShard([LocalTable(t, i) for i, t in enumerate(spec.tables)], SparseOptimizerConfig(lr=tt.SPARSE_LR))
-    sparse = SparseFeatures.one_hot(ids)
-    ones = torch.ones(b, F * D)
-    lookup = _typical_time(lambda: shard(sparse))
-    both = _typical_time(lambda: shard(sparse).backward(ones))
-    correct = _typical_time(_correction_work(shard, ids, torch.from_numpy(ids2_np)))
-    client = _typical_time(_client_work(sparse, spec))
-    latency, message_cpu, bw, cpu_per_byte = _loopback()
-    return Costs(one / b, one / two, pair, lookup / b, max(both - lookup, 0.0) / b, correct / b, client / b, latency,
-                 message_cpu, bw, cpu_per_byte)
-
-
-def _correction_work(shard, ids: torch.Tensor, nxt: torch.Tensor):
-    """A corrected lookup's extra work for batch ``nxt`` after batch ``ids`` (ids [F, B])."""
-    from embedding_server.correction import Corrector
-
-    class Discard:  # the messages' sending is the link's cost, counted there
-        def send_floats(self, peers, tensors, tag):
-            return type("Sent", (), {"wait": lambda self: None})()
-
-    corrector = Corrector([shard], [[D] * F], [0], torch.float32, Discard(), {})
-    as_ids = [[(row, torch.ones(row.numel(), dtype=torch.int64)) for row in ids.to(torch.int64)]]
-    next_ids = [[(row, torch.ones(row.numel(), dtype=torch.int64)) for row in nxt.to(torch.int64)]]
-    b = ids.shape[1]
-
-    def work() -> None:
-        corrector.send(0, False, as_ids, [b])  # marks batch i's rows
-        corrector.send(0, True, next_ids, [b])  # batch i+1: its changed bags looked up again
-
-    return lambda: (work(), None)[1]
-
-
-def _client_work(sparse, spec):
-    """What a trainer does per step around the exchange, one server: route and pack the ids,
-    assemble the received pooled vectors, split the gradient."""
-    from embedding_server.dist_client import FlatStage
-    from embedding_server.planner import plan_sharding
-    from embedding_server.sharding import SCHEMES
-    from embedding_server.wire import pack_ids
-
-    plan = plan_sharding(spec, 1, "rowwise_adagrad", "table_wise")
-    stage = FlatStage(plan, spec, 1)
-    b = sparse.batch_size
-    received = [torch.randn(n) for _, n in stage.messages(b)]
-    grad = torch.randn(b, F * D)
-
-    def work() -> None:
-        parts = []
-        for f in range(len(spec.tables)):
-            values, offsets = sparse.feature_values(f)
-            pieces = plan.pieces_of(spec.tables[f].name)
-            parts += SCHEMES[pieces[0].kind].route(values, offsets[1:] - offsets[:-1], pieces, spec.tables[f])
-        pack_ids(parts, torch.int32)
-        stage.assemble(received, b, [])
-        stage.split_grad(grad, b, [])
-
-    return work
-
-
-def _pingpong(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    results = {}
-    for n in (1, 4 << 20):
-        t = torch.zeros(n // 4 or 1)
-        reps = 50 if n == 1 else 10
-        dist.barrier()
-        trips, c0 = [], time.process_time()
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(t, 1)
-                dist.recv(t, 1)
-            else:
-                dist.recv(t, 0)
-                dist.send(t, 0)
-            trips.append(time.perf_counter() - t0)
-        results[n] = min(trips) / 2  # one way, the least disturbed round trip
-        results[f"cpu{n}"] = (time.process_time() - c0) / (2 * reps)  # this rank's CPU per message
-    # a burst of small messages posted back to back: what each costs its sender (posting,
-    # completing), not a round trip's wait
-    small = [torch.zeros(1) for _ in range(200)]
-    dist.barrier()
-    t0 = time.perf_counter()
-    works = [dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0) for t in small]
-    for w in works:
-        w.wait()
-    results["burst"] = (time.perf_counter() - t0) / len(small)
-    if rank == 0:
-        Path(out).write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-def _loopback() -> tuple[float, float, float, float]:
-    """(one-way latency of a small message, CPU seconds per small message, bytes per second, CPU
-    seconds per byte on each side) over loopback."""
-    import torch.multiprocessing as mp
-
-    from dense_trainer.distributed import free_port
-
-    out = Path(tempfile.mkdtemp()) / "pp.json"
-    mp.start_processes(_pingpong, args=(free_port(), str(out)), nprocs=2, start_method="spawn", join=True)
-    r = json.loads(out.read_text())
-    small, big = r["1"], r[str(4 << 20)]
-    cpu = max(r[f"cpu{4 << 20}"] - r["cpu1"], 0.0) / (4 << 20)
-    return small, r["burst"], (4 << 20) / max(big - small, 1e-9), cpu
 
 
 # -- the model ------------------------------------------------------------------------------------------
@@ -311,6 +78,21 @@ class Layout:
     """A trainer's dense rate when it is not this machine's CPU (a GPU)."""
     exchange_bytes: float = 4.0
     """Bytes per pooled / gradient element on the wire (2 with bf16)."""
+    both_ways_bytes_per_s: float | None = None
+    """Each direction's rate while the other direction is busy too (measured on the namespace
+    hosts' shaped links: about half the one-way rate); None: ``link_bytes_per_s`` (full duplex)."""
+    latency_s: float | None = None
+    """One-way latency of a small message on this link; None: the loopback's, measured."""
+    correction_bytes: float = 0.0
+    """Bytes per sample of corrected bags (``exact``), on top of the pooled vectors: a property of
+    the data (how many bags the previous step's update changed), measured in the run."""
+
+
+def _both_ways(a: float, b: float, lay: Layout) -> float:
+    """Seconds to move ``a`` bytes one way and ``b`` the other at the same time: each at most at
+    the one-way rate, both together at most at twice the both-ways rate."""
+    both = lay.both_ways_bytes_per_s or lay.link_bytes_per_s
+    return max(a / lay.link_bytes_per_s, b / lay.link_bytes_per_s, (a + b) / (2 * both))
 
 
 def _overlapped(a: float, b: float, chunks: int) -> float:
@@ -335,18 +117,22 @@ def step_seconds(c: Costs, lay: Layout, mode: str, batch: int) -> tuple[float, s
     correct = per_server * c.correct_s if mode == "exact" else 0.0
     pooled = F * D * lay.exchange_bytes  # bytes per sample, each direction (+ ids out)
     per_host = lay.trainers / lay.trainer_hosts
-    link = lay.link_bytes_per_s
-    x_in = max(per_host * bt, batch / lay.server_hosts) * pooled / link + c.latency_s
-    x_out = max(per_host * bt, batch / lay.server_hosts) * (pooled + BYTES["ids"]) / link + c.latency_s
+    link, latency = lay.link_bytes_per_s, lay.latency_s if lay.latency_s is not None else c.latency_s
+    busiest = max(per_host * bt, batch / lay.server_hosts)  # samples over the busiest host link
+    b_in = busiest * (pooled + (lay.correction_bytes if mode == "exact" else 0.0))
+    b_out = busiest * (pooled + BYTES["ids"])
+    x_in, x_out = b_in / link + latency, b_out / link + latency
+    wire = _both_ways(b_in, b_out, lay) + latency  # the directions overlapped: both busy at once
     if mode == "lockstep":
         step = w_t + lookup + update + x_in + x_out
     elif mode == "exact":  # lookup and pooled message of i+1 during step i; gradients -> update -> correction
-        step = max(w_t + _overlapped(x_out, update + correct, lay.chunks) + c.latency_s, lookup + x_in)
+        step = max(w_t + _overlapped(x_out, update + correct, lay.chunks) + latency, lookup + x_in, wire)
     elif mode == "exact-uncorrected":  # the lookup waits for the update; both directions chunked
-        step = w_t + _overlapped(x_out, update, lay.chunks) + lookup + x_in / lay.chunks
+        step = max(w_t + _overlapped(x_out, update, lay.chunks) + lookup + x_in / lay.chunks, wire)
     else:  # semi-sync: lookup of i+1 does not wait for update i
-        step = max(w_t + c.latency_s, lookup + update + x_in / lay.chunks, x_in, x_out)
-    parts = {"trainer compute": w_t, "server compute": lookup + update + correct, "link": max(x_in, x_out)}
+        step = max(w_t + latency, lookup + update + x_in / lay.chunks, wire)
+    parts = {"trainer compute": w_t, "server compute": lookup + update + correct,
+             "link": x_in + x_out if mode == "lockstep" else wire}
     if lay.shared:  # every rank on the same cores
         copies = batch * (2 * pooled + BYTES["ids"]) * 2 * c.transfer_cpu_s_per_byte  # each byte: its sender's and receiver's copy
         busy = lay.trainers * (lay.trainer_threads if not lay.dense_samples_per_s else 1) + lay.servers * lay.server_threads
@@ -408,22 +194,36 @@ def host_predictions(c: Costs, hosts: dict) -> list[dict]:
     links, batch 2048, 4 chunks."""
     rate = hosts["rate"].lower()
     bits = float(rate.rstrip("gmbit").rstrip("bit")) * (1e9 if "g" in rate else 1e6)
+    probe = hosts.get("link")  # the link as Gloo saw it; else the nominal rate, full duplex
     rows = []
     for label, mode in MODES:
-        lay = Layout(1, 1, trainer_threads=2, link_bytes_per_s=bits / 8, chunks=4)
+        run = hosts["results"][label]
+        link = {"link_bytes_per_s": probe["one_way_bytes_per_s"], "both_ways_bytes_per_s": probe["both_ways_bytes_per_s"],
+                "latency_s": probe["latency_s"]} if probe else {"link_bytes_per_s": bits / 8}
+        lay = Layout(1, 1, trainer_threads=2, chunks=4, correction_bytes=run.get("correction_bytes_per_sample", 0.0),
+                     **link)
         step, neck = step_seconds(c, lay, mode, 2048)
         rows.append({"config": f"2 hosts at {hosts['rate']}, {label}", "predicted": 2048 / step,
                      "measured": hosts["results"][label]["samples_per_s"], "bottleneck": neck})
     return rows
 
 
-def datacentre(c: Costs, gpu_rate: float, param_cores: int, batch: int) -> list[dict]:
+def correction_share(hosts: dict | None) -> float:
+    """Corrected bags' bytes per pooled byte in the two-host ``exact`` run (0 without one)."""
+    if not hosts:
+        return 0.0
+    return hosts["results"]["pipelined"].get("correction_bytes_per_sample", 0.0) / (F * D * 4)
+
+
+def datacentre(c: Costs, gpu_rate: float, param_cores: int, batch: int, corrections: float) -> list[dict]:
     """8 trainer hosts x 8 GPUs (64 trainers) and 8 parameter hosts (one server each, on
-    ``param_cores`` cores) on 100 Gbit/s (12.5 GB/s per host, each direction)."""
+    ``param_cores`` cores) on 100 Gbit/s (12.5 GB/s per host, each direction); ``exact`` also
+    moves ``corrections`` x the pooled bytes of corrected bags (the share measured here)."""
     rows = []
     for mode in ("lockstep", "exact", "semi-sync"):
         lay = Layout(64, 8, trainer_hosts=8, server_hosts=8, shared=False, server_threads=param_cores,
-                     link_bytes_per_s=12.5e9, chunks=4, dense_samples_per_s=gpu_rate)
+                     link_bytes_per_s=12.5e9, chunks=4, dense_samples_per_s=gpu_rate,
+                     correction_bytes=corrections * F * D * 4)
         step, neck = step_seconds(c, lay, mode, batch)
         rows.append({"mode": mode, "samples_per_s": batch / step, "bottleneck": neck})
     return rows
@@ -450,9 +250,10 @@ def main() -> None:
     rows = predictions(costs, 2048, local) + (host_predictions(costs, hosts) if hosts else [])
     for r in rows:
         r["error"] = r["predicted"] / r["measured"] - 1
-    dc = datacentre(costs, args.gpu_dense_samples_per_s, args.param_host_cores, args.dc_batch)
+    share = correction_share(hosts)
+    dc = datacentre(costs, args.gpu_dense_samples_per_s, args.param_host_cores, args.dc_batch, share)
     result = {"costs": asdict(costs), "checks": rows, "datacentre": dc, "date": time.strftime("%Y-%m-%d %H:%M"),
-              "assumptions": {"gpu_dense_samples_per_s": args.gpu_dense_samples_per_s,
+              "assumptions": {"gpu_dense_samples_per_s": args.gpu_dense_samples_per_s, "correction_share": share,
                               "param_host_cores": args.param_host_cores, "dc_batch": args.dc_batch}}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scaling.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -478,7 +279,9 @@ def render(r: dict) -> str:
     a = r["assumptions"]
     lines += ["", f"8 trainer hosts x 8 GPUs, 8 parameter hosts x {a['param_host_cores']} cores, 100 Gbit/s links, "
               f"global batch {a['dc_batch']:,}; one GPU's dense step assumed at {a['gpu_dense_samples_per_s']:,.0f} "
-              "samples/s (an assumption, not measured here):", "", "| mode | samples/s | bottleneck |", "|---|---:|---|"]
+              f"samples/s (an assumption, not measured here); `exact`'s corrected bags add {a.get('correction_share', 0):.2f}x "
+              "the pooled bytes (as measured across the two namespace hosts):", "",
+              "| mode | samples/s | bottleneck |", "|---|---:|---|"]
     for row in r["datacentre"]:
         lines.append(f"| {row['mode']} | {row['samples_per_s']:,.0f} | {row['bottleneck']} |")
     return "\n".join(lines) + "\n"
