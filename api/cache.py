@@ -100,9 +100,24 @@ class RowCache:
             slots, hit = cache.lookup(ids)
             return cache.rows[np.maximum(slots, 0)], hit
 
+    def holds(self, tables: list[str], ids: list[int], batch: int) -> bool:
+        """Whether the row of id ``ids[f * batch + b]`` of table ``tables[f]`` is cached for every
+        feature f and example b (one-hot examples; nothing is marked referenced)."""
+        with self.lock:
+            for f, name in enumerate(tables):
+                cache = self.tables.get(name)
+                if cache is None:
+                    return False
+                slots = cache.slots
+                for i in ids[f * batch : (f + 1) * batch]:
+                    if i not in slots:
+                        return False
+        return True
+
     def gather(self, tables: list[str], ids: list[int], out: np.ndarray, columns: list[int]) -> bool:
         """One-hot examples: ``out[b, columns[f]:columns[f + 1]]`` = the cached row of id
-        ``ids[f * B + b]`` of table ``tables[f]`` (out float [B, sum D]); False (``out``
+        ``ids[f * B + b]`` of table ``tables[f]`` (out [B, sum W] of the rows' or a wider dtype,
+        ``columns`` the rows' widths summed); False (``out``
         unspecified) unless every row is cached. One lock, no arrays built per table."""
         batch = out.shape[0]
         found = []
