@@ -9,6 +9,7 @@ int8/int4 rows take their stored bytes, not float32's).
 from __future__ import annotations
 
 import threading
+from itertools import repeat
 
 import numpy as np
 
@@ -25,8 +26,9 @@ class TableCache:
 
     def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """-> (slot per id, -1 where missing)."""
-        get = self.slots.get
-        slots = np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=len(ids))
+        ids_list = ids.tolist()  # dict.get mapped in C (no Python frame per id)
+        slots = np.fromiter(map(self.slots.get, ids_list, repeat(-1, len(ids_list))), dtype=np.int64,
+                            count=len(ids_list))
         hit = slots >= 0
         self.referenced[slots[hit]] = True
         return slots, hit
