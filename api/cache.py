@@ -9,6 +9,7 @@ int8/int4 rows take their stored bytes, not float32's).
 from __future__ import annotations
 
 import threading
+from itertools import repeat
 
 import numpy as np
 
@@ -25,8 +26,9 @@ class TableCache:
 
     def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """-> (slot per id, -1 where missing)."""
-        get = self.slots.get
-        slots = np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=len(ids))
+        ids_list = ids.tolist()  # dict.get mapped in C (no Python frame per id)
+        slots = np.fromiter(map(self.slots.get, ids_list, repeat(-1, len(ids_list))), dtype=np.int64,
+                            count=len(ids_list))
         hit = slots >= 0
         self.referenced[slots[hit]] = True
         return slots, hit
@@ -100,9 +102,24 @@ class RowCache:
             slots, hit = cache.lookup(ids)
             return cache.rows[np.maximum(slots, 0)], hit
 
+    def holds(self, tables: list[str], ids: list[int], batch: int) -> bool:
+        """Whether the row of id ``ids[f * batch + b]`` of table ``tables[f]`` is cached for every
+        feature f and example b (one-hot examples; nothing is marked referenced)."""
+        with self.lock:
+            for f, name in enumerate(tables):
+                cache = self.tables.get(name)
+                if cache is None:
+                    return False
+                slots = cache.slots
+                for i in ids[f * batch : (f + 1) * batch]:
+                    if i not in slots:
+                        return False
+        return True
+
     def gather(self, tables: list[str], ids: list[int], out: np.ndarray, columns: list[int]) -> bool:
         """One-hot examples: ``out[b, columns[f]:columns[f + 1]]`` = the cached row of id
-        ``ids[f * B + b]`` of table ``tables[f]`` (out float [B, sum D]); False (``out``
+        ``ids[f * B + b]`` of table ``tables[f]`` (out [B, sum W] of the rows' or a wider dtype,
+        ``columns`` the rows' widths summed); False (``out``
         unspecified) unless every row is cached. One lock, no arrays built per table."""
         batch = out.shape[0]
         found = []

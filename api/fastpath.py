@@ -19,7 +19,9 @@ before), answers POSTs to the scoring routes itself with the same handler functi
       anyio's default limit; context variables such as the request id carried over), except for a
       provably small one: a body of at most ``inline_max_bytes`` (a few single instances' worth),
       arriving while no other scoring request is in flight, on a local store (memory-mapped
-      files; never a network round trip), is scored on the event loop itself. Its work is bounded
+      files; never a network round trip), or on a remote store when every row it reads is in the
+      row cache (checked before scoring starts; one that would need a round trip is handed to
+      the pool from its body: ``api/inline.py``), is scored on the event loop itself. Its work is bounded
       by its size (a fraction of a millisecond), it saves the thread hop and, on a shared machine,
       the cold caches of waking a second thread (measured: most of a lone request's CPU); while
       other requests are in flight every request goes to the pool, so that dynamic batching
@@ -45,6 +47,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import compile_path
+
+from api import inline
 
 Handler = Callable[[object, dict[str, str], bytes, Headers], Response]
 """``(service, path parameters, body, headers) -> Response``, run off the event loop."""
@@ -116,9 +120,10 @@ class FastScoring:
         try:
             body = await request.body()
             service = scope["app"].state.service
+            response = None
             if await self._alone_and_small(body, service):
-                response = route.handler(service, params, body, request.headers)  # on the loop
-            else:
+                response = on_loop(route.handler, service, params, body, request.headers)
+            if response is None:
                 ctx = contextvars.copy_context()  # the request id, for the handler's log lines
                 response = await asyncio.get_running_loop().run_in_executor(
                     pool(), ctx.run, route.handler, service, params, body, request.headers)
@@ -140,10 +145,24 @@ class FastScoring:
         once the requests that arrived with it have started (a small body is read without
         yielding: without one pass of the loop, requests arriving together would each find
         themselves alone and run one after another on the loop, never batched)."""
-        if len(body) > self.inline_max_bytes or service.store.remote or self.in_flight != 1:
+        if len(body) > self.inline_max_bytes or self.in_flight != 1:
             return False
+        if service.store.remote and (service.model is None or service.model.cache is None):
+            return False  # no row cache: every request reads the store
         await asyncio.sleep(0)
         return self.in_flight == 1
+
+
+def on_loop(handler: Handler, service, params: dict[str, str], body: bytes, headers: Headers) -> Response | None:
+    """The handler's response, run here on the event loop; None when a remote store's request
+    would need a round trip (``api/inline.py``): the caller runs it again in the pool."""
+    if not service.store.remote:
+        return handler(service, params, body, headers)
+    try:
+        with inline.remote_on_loop():
+            return handler(service, params, body, headers)
+    except inline.Offload:
+        return None
 
 
 def exception_handler(app, exc: Exception):

@@ -78,6 +78,9 @@ def _rows(spec: FeatureSpec, instances: list) -> tuple[list[list], list[list]]:
     return dense_rows, cat_rows
 
 
+_TEXT = {str, type(None)}
+
+
 def columns_of(spec: FeatureSpec, dense: list[list], cats: list[list]) -> tuple[dict[str, pa.Array], bool]:
     """Per feature (spec order) its values for every example -> (one arrow column per feature,
     whether any is a bag). Dense values are numbers or None; categoricals as in ``_bag``."""
@@ -86,9 +89,12 @@ def columns_of(spec: FeatureSpec, dense: list[list], cats: list[list]) -> tuple[
         columns[feat.name] = pa.array(values, type=pa.float64())
     any_bag = False
     for feat, values in zip(spec.categorical, cats, strict=True):
-        if feat.separator is not None or any(isinstance(v, list) for v in values):
+        kinds = set(map(type, values))
+        if feat.separator is not None or list in kinds:
             columns[feat.name] = pa.array([_bag(v, feat) for v in values], type=pa.list_(pa.string()))
             any_bag = True
+        elif kinds <= _TEXT:  # strings and nulls as they are (one C call, no per-value Python)
+            columns[feat.name] = pa.array(values, type=pa.string())
         else:
             columns[feat.name] = pa.array([None if v is None else _text(v, feat) for v in values], type=pa.string())
     return columns, any_bag
@@ -111,8 +117,8 @@ def featurize_instances(spec: FeatureSpec, featurizer: Featurizer, instances: li
     """JSON instances -> model inputs; a bad value is a 422 naming ``instances.<i>.<feature>``.
     A few one-hot instances go through ``values`` (the value path) when given, when it takes them."""
     dense_rows, cat_rows = _rows(spec, instances)
-    dense = [[row[j] for row in dense_rows] for j in range(len(spec.dense))]
-    cats = [[row[j] for row in cat_rows] for j in range(len(spec.categorical))]
+    dense = _transposed(dense_rows, len(spec.dense))  # per feature, its values of every example
+    cats = _transposed(cat_rows, len(spec.categorical))
     if values is not None:
         inputs = values(dense, cats, len(instances))
         if inputs is not None:
@@ -120,6 +126,11 @@ def featurize_instances(spec: FeatureSpec, featurizer: Featurizer, instances: li
     columns, any_bag = columns_of(spec, dense, cats)
     return featurize_columns(featurizer, columns, any_bag, len(instances),
                              lambda i, feature: _field(spec, instances, i, feature))
+
+
+def _transposed(rows: list[list], width: int) -> list[list]:
+    """Per example its ``width`` values -> per position its values of every example."""
+    return [list(column) for column in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
 
 
 def _field(spec: FeatureSpec, instances: list, i: int, feature: str | None) -> str:

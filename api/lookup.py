@@ -18,7 +18,7 @@ from api.metrics import ServingMetrics
 from api.model import ServingModel
 from embedding_server.idmap.dynamic import shared_rows_of
 from embedding_server.stores import ServingStore
-from embedding_server.wire import NUMPY_DTYPE
+from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, dequantize_rows
 
 
 def dynamic_rows(model: ServingModel, metrics: ServingMetrics, ids: np.ndarray, offsets: np.ndarray,
@@ -118,17 +118,30 @@ FEW = 16
 """One-hot requests of at most this many examples try the direct gathers below first."""
 
 
-def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, batch: int) -> torch.Tensor | None:
+def _few_one_hot(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int) -> bool:
+    """A few examples, one id in every bag (ids [F * B], offsets [F * B + 1] = 0, 1, ..., F * B)."""
+    n = len(model.feature_tables) * batch
+    return batch <= FEW and len(ids) == n and len(offsets) == n + 1 and int(offsets[-1]) == n and (
+        n == 0 or bool((offsets[1:] > offsets[:-1]).all()))
+
+
+def all_cached(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int) -> bool:
+    """Whether a request's rows are all in the row cache, so that ``embed`` takes the direct
+    gather and reads nothing from the store (no dynamic table, few one-hot examples)."""
+    return (model.cache is not None and not model.id_maps and _few_one_hot(model, ids, offsets, batch)
+            and model.cache.holds(model.table_names, ids.tolist(), batch))
+
+
+def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
+            batch: int) -> torch.Tensor | None:
     """Pooled embeddings float [B, sum(D_f)] of a few one-hot examples gathered straight into one
-    array: from the tables' mappings (file store), or from the row cache when it holds every row;
-    None: take the general path (a miss, bags, no mapping)."""
-    n_features = len(model.feature_tables)
-    if len(ids) != n_features * batch or batch > FEW or (model.mapped is None and model.cache is None):
+    array (int8 / int4 rows: their bytes, dequantized with numpy): from the tables' mappings
+    (file store), or from the row cache when it holds every row; None: take the general path (a
+    miss, bags, no mapping)."""
+    if (model.mapped is None and model.cache is None) or not _few_one_hot(model, ids, offsets, batch):
         return None
-    if model.pooler is not None:  # int8 / int4 rows as stored are bytes, pooled by fbgemm
-        return None
-    out = np.empty((batch, model.columns[-1]), dtype=np.float32)  # [B, sum D]
-    columns = model.columns
+    columns = model.stored_columns  # feature f: columns[f]:columns[f + 1] of a row as stored
+    out = np.empty((batch, columns[-1]), dtype=NUMPY_DTYPE[model.row_dtype])  # [B, sum W_f]
     if model.mapped is not None:
         for f, table in enumerate(model.mapped):
             out[:, columns[f] : columns[f + 1]] = table[ids[f * batch : (f + 1) * batch]]
@@ -138,7 +151,23 @@ def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, batch
     metrics.lookups.inc(distinct)
     if model.cache is not None:
         metrics.cache_hits.inc(distinct)
-    return torch.from_numpy(out)
+    return torch.from_numpy(_as_float(model, out))
+
+
+def _as_float(model: ServingModel, out: np.ndarray) -> np.ndarray:
+    """One-hot rows as stored [B, sum W_f] -> float32 [B, sum D_f] (a one-id bag pools to its
+    row, summed or averaged): quantized rows dequantized, value * scale + bias, fp16 widened."""
+    if model.row_dtype == "fp32":
+        return out
+    if model.row_dtype not in QUANTIZED_BITS:
+        return out.astype(np.float32)
+    batch, dims = out.shape[0], model.spec.feature_dims
+    if model.uniform_dim:  # one dequantization of all B * F rows
+        rows = out.reshape(batch * len(dims), -1)  # [B * F, W]
+        return dequantize_rows(rows, dims[0], model.row_dtype).reshape(batch, -1)
+    stored = model.stored_columns
+    return np.concatenate([dequantize_rows(out[:, stored[f] : stored[f + 1]], d, model.row_dtype)
+                           for f, d in enumerate(dims)], axis=1)
 
 
 def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
@@ -146,7 +175,7 @@ def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids
     """Pooled embeddings float [B, sum(D_f)] of a feature-major id batch."""
     spec = model.spec
     ids = dynamic_rows(model, metrics, ids, offsets, batch)
-    direct = _direct(metrics, model, ids, batch)
+    direct = _direct(metrics, model, ids, offsets, batch)
     if direct is not None:
         return direct
     uniques, inverse, joint = _table_rows(model, ids, offsets, batch)

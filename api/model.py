@@ -76,9 +76,13 @@ class ServingModel:
         dims = self.spec.feature_dims
         self.columns = np.concatenate([[0], np.cumsum(dims)]).tolist()
         """Feature f's columns in the pooled embeddings: ``columns[f]:columns[f + 1]``."""
+        self.stored_columns = np.concatenate(
+            [[0], np.cumsum([row_width(d, self.row_dtype) for d in dims])]).tolist()
+        """Feature f's columns in a one-hot example's rows as stored: ``stored_columns[f]:[f + 1]``."""
         self.mapped = _features_of(meta, mapped)
-        """Per feature, its table's rows in memory (a file store's mapping, float32 or float16
-        [rows, D]); None where a table has none: single requests gather rows from these."""
+        """Per feature, its table's rows in memory as stored (a file store's mapping, [rows, W_t]
+        of the version's row dtype); None where a table has none: single requests gather rows
+        from these."""
         self.table_names = [self.spec.tables[t].name for t in self.feature_tables]
         self.id_maps = id_maps or {}
         """Dynamic tables: (admitted ids int64 [n] sorted, their rows int64 [n]), by table name."""
@@ -93,11 +97,12 @@ class ServingModel:
 
 
 def _features_of(meta: ModelVersion, mapped: list[np.ndarray | None] | None) -> list[np.ndarray] | None:
-    """Tables' mappings (table order) -> per feature its table's, when every table has a float one."""
+    """Tables' mappings (table order) -> per feature its table's, when every table has one of
+    rows as stored ([rows, row_width] of the row dtype's element type)."""
     if mapped is None:
         return None
-    tables = meta.spec.tables
+    tables, dtype = meta.spec.tables, NUMPY_DTYPE[meta.row_dtype]
     for t, arr in zip(tables, mapped, strict=True):
-        if arr is None or arr.ndim != 2 or arr.shape != (t.rows, t.dim) or arr.dtype not in (np.float32, np.float16):
+        if arr is None or arr.shape != (t.rows, row_width(t.dim, meta.row_dtype)) or arr.dtype != dtype:
             return None
     return [mapped[t] for t in meta.spec.feature_tables]

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from api import decode
+from api import decode, inline
 from api.batching import Batcher
 from api.errors import InputError, ModelNotFound, TooLarge
 from api.featurize import ModelInputs, featurize_instances, featurize_lines
-from api.lookup import embed
+from api.lookup import all_cached, embed
 from api.metrics import ServingMetrics
 from api.model import ServingModel, build_dense, warm_up
 from api.schemas import PositionalInstance
@@ -128,11 +128,14 @@ class ModelService:
 
         Raises:
             TooLarge: more ids than ``max_ids_per_request``.
+            Offload: a request on the event loop (``api/inline.py``) whose rows are not all cached.
         """
         n_ids, cap = len(inputs[1]), self.settings.max_ids_per_request
         if n_ids > cap:
             raise TooLarge("body", f"{n_ids} categorical ids, at most max_ids_per_request={cap} per request "
                                    "(DLRM_MAX_IDS_PER_REQUEST)")
+        if inline.on_loop() and not all_cached(model, inputs[1], inputs[2], inputs[0].shape[0]):
+            raise inline.Offload  # it would read the remote store: not on the event loop
         generation = model.generation
         try:
             predictions = self.batcher.score(model, inputs)

@@ -44,10 +44,11 @@ class Settings(BaseSettings):
     FastAPI (identical answers; for comparison)."""
     inline_max_bytes: int = Field(default=4096, ge=0)
     """A scoring request whose body is at most this many bytes (a dozen single instances),
-    arriving while no other is in flight, on a local store (file: memory-mapped rows), is scored
-    on the event loop itself instead of a pool thread (``api/fastpath.py``): its work is bounded
-    by its size, and it saves the thread hop. Larger bodies, concurrent requests (dynamic
-    batching) and remote stores always go off the loop. 0: never on the loop."""
+    arriving while no other is in flight, on a local store (file: memory-mapped rows) or with
+    every row it reads in a remote store's row cache, is scored on the event loop itself instead
+    of a pool thread (``api/fastpath.py``): its work is bounded by its size, and it saves the
+    thread hop. Larger bodies, concurrent requests (dynamic batching) and requests that read a
+    remote store always go off the loop. 0: never on the loop."""
     max_body_bytes: int = Field(default=16 << 20, ge=1024)
     """Largest request body; larger bodies get 413."""
     max_pinned_versions: int = Field(default=2, ge=0)

@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from api import inline
 from api.errors import ModelNotFound, NotReady
 from api.metrics import ServingMetrics
 from api.model import ServingModel, build_dense
@@ -65,6 +66,7 @@ class Versions:
         model = self.pinned.get(version)
         if model is not None:
             return model
+        inline.need_store()  # loading reads the store: not on the event loop for a remote one
         with self._pin_lock:  # one load per version, however many requests wait for it
             model = self.pinned.get(version)
             if model is None:

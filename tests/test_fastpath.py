@@ -150,3 +150,48 @@ def test_routing_follows_the_apps_post_routes_in_order():
     assert get_route_path({"path": "/api/a/k:go", "root_path": "/api"}) == "/a/k:go"
     with pytest.raises(ValueError, match="without a POST route"):
         FastScoring(None, [("/b", "GET")], {"/b": handler})
+
+
+def _metric(client: TestClient, name: str) -> float:
+    text = client.get("/metrics").text
+    return sum(float(line.split(" ")[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def test_redis_requests_with_every_row_cached_are_scored_on_the_loop(trained_criteo, redis_server, lines,
+                                                                      monkeypatch):
+    """A lone small request on Redis runs on the event loop when the row cache holds all its rows;
+    one that would read Redis (a miss, a pinned version not loaded yet) goes to the pool, scored
+    once there (metrics counted once), and every answer is the one the pool alone gives."""
+    url = redis_server.url + "?prefix=fast-inline"
+    publish_checkpoint(trained_criteo, open_store(url), version="v1")
+    publish_checkpoint(trained_criteo, open_store(url), version="v2")  # current: v2
+    threads = []
+    real = ModelService.score
+
+    def spy(self, model, inputs):
+        threads.append(threading.current_thread().name.startswith("score"))
+        return real(self, model, inputs)
+
+    monkeypatch.setattr(ModelService, "score", spy)
+    bodies = [("dlrm", lines[1]), ("dlrm", lines[1]), ("dlrm", lines[2]), ("dlrm", lines[2]),
+              ("dlrm/versions/v1", lines[1]), ("dlrm/versions/v1", lines[1])]
+    runs = {}
+    for inline in (0, 4096):
+        with TestClient(create_app(Settings(store=url, inline_max_bytes=inline))) as client:
+            threads.clear()
+            runs[inline] = [client.post(f"/v1/models/{path}:predict", content=json.dumps(
+                {"instances": [instance(line)]})).content for path, line in bodies]
+            scored = list(threads)  # a pinned version's load scores one warm-up request too
+            requests_counted = _metric(client, "dlrm_model_batch_requests_count")
+            hits = _metric(client, "dlrm_cache_hits_total")
+        if inline:
+            # miss: pool; all cached: loop; v1 not loaded: pool (its load, then the request); cached: loop
+            assert scored == [True, False, True, False, True, True, False]
+        else:
+            assert all(scored)
+        assert requests_counted == len(bodies)  # an offloaded request is scored once
+        if not inline:
+            hits_in_pool = hits
+    assert hits == hits_in_pool
+    assert runs[0] == runs[4096]

@@ -108,10 +108,14 @@ def _general(model) -> None:
     model.mapped = None
 
 
+@pytest.mark.parametrize("row_dtype", ["fp32", "fp16", "int8", "int4"])
 @pytest.mark.parametrize("kind", ["file", "redis"])
-def test_direct_paths_predict_as_the_general_ones(kind, trained_criteo, criteo_sample, tmp_path, redis_server):
-    url = f"file://{tmp_path / 'store'}" if kind == "file" else redis_server.url + "?prefix=fastpath"
-    publish_checkpoint(trained_criteo, open_store(url), version="v1")
+def test_direct_paths_predict_as_the_general_ones(kind, row_dtype, trained_criteo, criteo_sample, tmp_path,
+                                                  redis_server):
+    """The direct gathers (int8 / int4 rows dequantized with numpy) score as the general path
+    (int8 / int4: fbgemm's IntNBit kernel), to float rounding."""
+    url = f"file://{tmp_path / 'store'}" if kind == "file" else redis_server.url + f"?prefix=fastpath-{row_dtype}"
+    publish_checkpoint(trained_criteo, open_store(url), version="v1", row_dtype=row_dtype)
     lines = (criteo_sample / "test.txt").read_text().splitlines()[:12]
     bodies = [json.dumps({"instances": [to_instance(line, named=k % 2 == 1)]}).encode() for k, line in enumerate(lines)]
     service = ModelService(open_store(url), Settings(store=url), ServingMetrics())
@@ -122,7 +126,10 @@ def test_direct_paths_predict_as_the_general_ones(kind, trained_criteo, criteo_s
     assert service.model.mapped is not None if kind == "file" else service.model.cache is not None
     _general(service.model)
     slow = [service.predict_json("dlrm", b).predictions for b in bodies]
-    assert fast == slow
+    if row_dtype in ("fp32", "fp16"):
+        assert fast == slow
+    else:
+        np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-7)
 
 
 CRITEO = build_spec([*(DenseFeature(kind="dense", name=f"I{i}", integer=True) for i in range(1, 4)),
