@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from embedding_server.idmap.fast import where_true
+
 EMPTY, TOMBSTONE = -1, -2
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -50,7 +52,7 @@ def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torc
     s = slots.index_select(0, pos)  # index_select: far cheaper than x[index] on CPU
     hit = (s >= 0) & (keys.index_select(0, pos) == ids)  # the first round over every id, most end here
     out = torch.where(hit, pos, -1)
-    active = torch.nonzero(~hit & (s != EMPTY)).squeeze(1)  # [a] ids still probing
+    active = where_true(~hit & (s != EMPTY))  # [a] ids still probing
     if not active.numel():
         return out
     p, a_ids = pos.index_select(0, active), ids.index_select(0, active)  # [a] each
@@ -61,9 +63,9 @@ def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torc
         s = slots.index_select(0, p)
         hit = (s >= 0) & (keys.index_select(0, p) == a_ids)
         if bool(hit.any()):
-            at = torch.nonzero(hit).squeeze(1)
+            at = where_true(hit)
             out.index_copy_(0, active.index_select(0, at), p.index_select(0, at))
-        go = torch.nonzero(~hit & (s != EMPTY)).squeeze(1)  # past a tombstone or another key: probe on
+        go = where_true(~hit & (s != EMPTY))  # past a tombstone or another key: probe on
         active, p, a_ids = active.index_select(0, go), p.index_select(0, go), a_ids.index_select(0, go)
         if isinstance(a_base, torch.Tensor):
             a_base = a_base.index_select(0, go)
