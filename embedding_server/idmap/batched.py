@@ -337,13 +337,12 @@ class MapGroup:
     def _place(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor) -> None:
         """Put ``keys`` [a] (distinct and absent, by table) with their ``slots`` in free buckets of
         their tables (linear probing; keys aiming at one bucket: the first takes it); tombstones
-        reused are counted off."""
-        counts = self.s["table_counts"]  # [M, 2] live, tombstones
-        h, r = self.buckets, self.rows
-        mask = h - 1
+        reused are counted off. Each round claims buckets in ``slots`` only; the keys, the row ->
+        bucket cache and the counts are written once at the end."""
+        mask = self.buckets - 1
         active = torch.arange(keys.numel())  # [a] keys still looking for a bucket
-        tab = tables  # [a] the table of each
-        p = tab * h + (mix64(keys) & mask)  # [a] the bucket each tries
+        p = (tables * self.buckets).add_(mix64(keys).bitwise_and_(mask))  # [a] the bucket each tries
+        placed, at_key, reused = [], [], []
         while active.numel():
             s = self.slots.index_select(0, p)
             free = s < 0
@@ -355,17 +354,21 @@ class MapGroup:
             first.index_fill_(0, cp, NO_INDEX)  # the scratch back as it was
             wi = where_true(won)
             wp, wk = cp.index_select(0, wi), cand.index_select(0, wi)
-            wt, ws = tables.index_select(0, wk), slots.index_select(0, wk)
-            reused = s.index_select(0, at.index_select(0, wi)) == TOMBSTONE
-            counts[:, 1] -= torch.bincount(wt.masked_select(reused), minlength=self.count)
-            self.keys.index_copy_(0, wp, keys.index_select(0, wk))
-            self.slots.index_copy_(0, wp, ws)
-            self.bucket_of.index_copy_(0, wt * r + ws, wp)
-            # bucket held by another key: probe on; lost the race: try the same bucket again
-            p = torch.where(free, p, tab * h + ((p + 1) & mask))
-            keep = torch.ones_like(free).index_fill_(0, at.index_select(0, wi), False)
-            go = where_true(keep)
-            active, p, tab = active.index_select(0, go), p.index_select(0, go), tab.index_select(0, go)
+            self.slots.index_copy_(0, wp, slots.index_select(0, wk))
+            placed.append(wp)
+            at_key.append(wk)
+            reused.append(s.index_select(0, at.index_select(0, wi)) == TOMBSTONE)
+            # bucket held by another key: probe on (within its table); lost the race: the same again
+            p = torch.where(free, p, (p & ~mask).bitwise_or_((p + 1).bitwise_and_(mask)))
+            go = where_true(torch.ones_like(free).index_fill_(0, at.index_select(0, wi), False))
+            active, p = active.index_select(0, go), p.index_select(0, go)
+        if not placed:
+            return
+        wp, wk, reused = torch.cat(placed), torch.cat(at_key), torch.cat(reused)
+        wt = tables.index_select(0, wk)
+        self.s["table_counts"][:, 1] -= torch.bincount(wt.masked_select(reused), minlength=self.count)
+        self.keys.index_copy_(0, wp, keys.index_select(0, wk))
+        self.bucket_of.index_copy_(0, (wt * self.rows).add_(slots.index_select(0, wk)), wp)
 
     def expire(self) -> None:
         """ttl: every ttl_steps lookups, the ids unused for ttl_steps lose their rows."""

@@ -96,6 +96,7 @@ class ShardIdMaps:
         self.counters = torch.zeros(len(mine), len(COUNTERS), dtype=torch.int64)
         self.bucket_base = torch.tensor([sum(buckets[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
         self.bucket_mask = torch.tensor([h - 1 for h in buckets], dtype=torch.int64)  # [M]
+        self.one_mask = buckets[0] - 1 if len(set(buckets)) == 1 else None  # every map's, where all are equal
         self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
         self.shared = torch.tensor(shared, dtype=torch.int64)  # [M] S of each map
         self.maps: dict[int, DynamicIdMap] = {}
@@ -182,8 +183,8 @@ class ShardIdMaps:
 
     def _find(self, ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Row of each id [n] in map k [n] of it, int64 [n] (-1: not admitted): one probe of every map."""
-        pos = probe(self.keys, self.slots, ids, self.bucket_base.index_select(0, k), self.bucket_mask.index_select(0, k))
-        return torch.where(pos >= 0, self.slots.index_select(0, pos.clamp(min=0)), -1)
+        mask = self.one_mask if self.one_mask is not None else self.bucket_mask.index_select(0, k)
+        return probe(self.keys, self.slots, ids, self.bucket_base.index_select(0, k), mask, with_slots=True)[1]
 
     def _train(self, ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """One training step of every map on ids [n] (of maps k [n]): touch known rows, admit new
