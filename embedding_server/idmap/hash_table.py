@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from embedding_server.idmap.fast import where_true
+
 EMPTY, TOMBSTONE = -1, -2
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -30,10 +32,10 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
 def mix64(ids: torch.Tensor, salt: int | torch.Tensor = 0) -> torch.Tensor:
     """splitmix64's finaliser of ``ids + salt``: int64 [n] -> well-mixed int64 [n] (wrapping
     arithmetic, the same on every machine)."""
-    x = ids + (_GOLDEN + salt)
-    x = (x ^ _shr(x, 30)) * _M1
-    x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
+    x = ids + (_GOLDEN + salt)  # a new tensor: the rest is in place
+    x.bitwise_xor_((x >> 30).bitwise_and_((1 << 34) - 1)).mul_(_M1)
+    x.bitwise_xor_((x >> 27).bitwise_and_((1 << 37) - 1)).mul_(_M2)
+    return x.bitwise_xor_((x >> 31).bitwise_and_((1 << 33) - 1))
 
 
 def buckets_for(capacity: int) -> int:
@@ -42,17 +44,17 @@ def buckets_for(capacity: int) -> int:
 
 
 def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torch.Tensor | int,
-          mask: torch.Tensor | int) -> torch.Tensor:
+          mask: torch.Tensor | int, with_slots: bool = False):
     """Bucket of each id in ``keys``/``slots`` [H], int64 [n] (-1: absent). Id i probes buckets
     base_i + ((home + k) & mask_i): several tables laid side by side in one buffer are searched
-    in one call (``base``, ``mask``: per id, or one int for a single table)."""
+    in one call (``base``, ``mask``: per id, or one int for a single table). ``with_slots``:
+    -> (buckets [n], the slot of each id [n], -1: absent)."""
     pos = (mix64(ids) & mask) + base  # [n] home buckets
     s = slots.index_select(0, pos)  # index_select: far cheaper than x[index] on CPU
-    hit = (s >= 0) & (keys.index_select(0, pos) == ids)  # the first round over every id, most end here
+    hit = (s >= 0).logical_and_(keys.index_select(0, pos) == ids)  # the first round over every id, most end here
     out = torch.where(hit, pos, -1)
-    active = torch.nonzero(~hit & (s != EMPTY)).squeeze(1)  # [a] ids still probing
-    if not active.numel():
-        return out
+    found = torch.where(hit, s, -1) if with_slots else None
+    active = where_true(hit.logical_not_().logical_and_(s != EMPTY))  # [a] ids still probing
     p, a_ids = pos.index_select(0, active), ids.index_select(0, active)  # [a] each
     a_base = base.index_select(0, active) if isinstance(base, torch.Tensor) else base
     a_mask = mask.index_select(0, active) if isinstance(mask, torch.Tensor) else mask
@@ -61,15 +63,17 @@ def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torc
         s = slots.index_select(0, p)
         hit = (s >= 0) & (keys.index_select(0, p) == a_ids)
         if bool(hit.any()):
-            at = torch.nonzero(hit).squeeze(1)
+            at = where_true(hit)
             out.index_copy_(0, active.index_select(0, at), p.index_select(0, at))
-        go = torch.nonzero(~hit & (s != EMPTY)).squeeze(1)  # past a tombstone or another key: probe on
+            if found is not None:
+                found.index_copy_(0, active.index_select(0, at), s.index_select(0, at))
+        go = where_true(~hit & (s != EMPTY))  # past a tombstone or another key: probe on
         active, p, a_ids = active.index_select(0, go), p.index_select(0, go), a_ids.index_select(0, go)
         if isinstance(a_base, torch.Tensor):
             a_base = a_base.index_select(0, go)
         if isinstance(a_mask, torch.Tensor):
             a_mask = a_mask.index_select(0, go)
-    return out
+    return (out, found) if with_slots else out
 
 
 class IdHashTable:

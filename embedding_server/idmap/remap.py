@@ -24,7 +24,7 @@ import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import shared_row_count
-from embedding_server.idmap.batched import MapGroup, distinct_pairs
+from embedding_server.idmap.batched import MapGroup, table_pairs
 from embedding_server.idmap.dynamic import (
     COUNTERS,
     DynamicIdMap,
@@ -32,6 +32,7 @@ from embedding_server.idmap.dynamic import (
     shared_rows_of,
     sketch_width,
 )
+from embedding_server.idmap.fast import where_true
 from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, probe
 from embedding_server.idmap.sketch import DEPTH, sketch_cells
 from embedding_server.local_table import LocalTable
@@ -95,6 +96,7 @@ class ShardIdMaps:
         self.counters = torch.zeros(len(mine), len(COUNTERS), dtype=torch.int64)
         self.bucket_base = torch.tensor([sum(buckets[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
         self.bucket_mask = torch.tensor([h - 1 for h in buckets], dtype=torch.int64)  # [M]
+        self.one_mask = buckets[0] - 1 if len(set(buckets)) == 1 else None  # every map's, where all are equal
         self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
         self.shared = torch.tensor(shared, dtype=torch.int64)  # [M] S of each map
         self.maps: dict[int, DynamicIdMap] = {}
@@ -168,7 +170,7 @@ class ShardIdMaps:
         f_count, b = self.map_of_feature.numel(), max(sparse.batch_size, 1)
         bounds = sparse.offsets[::b][: f_count + 1]  # [F + 1] each feature's span of values
         map_of_value = torch.repeat_interleave(self.map_of_feature, bounds.diff())  # [N], -1: hashed
-        where = torch.nonzero(map_of_value >= 0).squeeze(1)  # [M_n] the dynamic tables' values
+        where = where_true(map_of_value >= 0)  # [M_n] the dynamic tables' values
         ids, k = sparse.values.index_select(0, where), map_of_value.index_select(0, where)  # [M_n]
         if train:
             rows = self._train(ids, k)
@@ -181,30 +183,32 @@ class ShardIdMaps:
 
     def _find(self, ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Row of each id [n] in map k [n] of it, int64 [n] (-1: not admitted): one probe of every map."""
-        pos = probe(self.keys, self.slots, ids, self.bucket_base.index_select(0, k), self.bucket_mask.index_select(0, k))
-        return torch.where(pos >= 0, self.slots.index_select(0, pos.clamp(min=0)), -1)
+        mask = self.one_mask if self.one_mask is not None else self.bucket_mask.index_select(0, k)
+        return probe(self.keys, self.slots, ids, self.bucket_base.index_select(0, k), mask, with_slots=True)[1]
 
     def _train(self, ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """One training step of every map on ids [n] (of maps k [n]): touch known rows, admit new
-        ids, count, expire -> rows int64 [n]. Works on the distinct (map, id) pairs (u)."""
+        ids, count, expire -> rows int64 [n]. Known ids are probed and touched as they come
+        (repeats add their uses); the absent ones are admitted as distinct (map, id) pairs (u)."""
         clock, default = COUNTERS.index("clock"), COUNTERS.index("default_lookups")
         self.counters[:, clock] += 1
-        uid, uk, inverse, counts = distinct_pairs(ids, k)  # [u] each, [n]
-        rows = self._find(uid, uk)  # [u]
-        known = torch.nonzero(rows >= 0).squeeze(1)
-        flat = self.row_base.index_select(0, uk.index_select(0, known)) + rows.index_select(0, known)
+        rows = self._find(ids, k)  # [n]
+        known = where_true(rows >= 0)
+        flat = self.row_base.index_select(0, k.index_select(0, known)).add_(rows.index_select(0, known))
         self.last.index_fill_(0, flat, int(self.counters[0, clock]))  # every map ticks together
-        self.uses.index_add_(0, flat, counts.index_select(0, known))
-        absent = torch.nonzero(rows < 0).squeeze(1)
+        self.uses.index_add_(0, flat, torch.ones_like(flat))
+        absent = where_true(rows < 0)
         if absent.numel():
-            k_absent = uk.index_select(0, absent)
-            for first, last, group in self.groups:  # every table of a group at once
-                sel = absent.masked_select((k_absent >= first) & (k_absent < last))
-                if sel.numel():
-                    got = group.admit_distinct(uid.index_select(0, sel), uk.index_select(0, sel) - first,
-                                               counts.index_select(0, sel))
-                    rows.index_copy_(0, sel, got)
-        rows = rows.index_select(0, inverse)  # [n]
+            uid, uk, inverse, counts = table_pairs(ids.index_select(0, absent), k.index_select(0, absent),
+                                                   len(self.map_list))  # [u] by map, then id
+            got = torch.empty_like(uid)
+            ends = torch.searchsorted(uk, torch.tensor([b for _, b, _ in self.groups])).tolist()
+            start = 0
+            for (first, _, group), end in zip(self.groups, ends, strict=True):  # every table of a group at once
+                if end > start:
+                    got[start:end] = group.admit_distinct(uid[start:end], uk[start:end] - first, counts[start:end])
+                start = end
+            rows.index_copy_(0, absent, got.index_select(0, inverse))
         shared = rows < self.shared.index_select(0, k)
         self.counters[:, default] += torch.bincount(k.masked_select(shared), minlength=len(self.map_list))
         for _, _, group in self.groups:
@@ -227,3 +231,5 @@ class ShardIdMaps:
         for t, m in self.maps.items():
             prefix = f"{self.tables[t].table.name}.idmap."
             m.load({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        for _, _, group in self.groups:  # the rows' last uses changed under the victim lists
+            group.recent.forget()
