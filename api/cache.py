@@ -3,7 +3,9 @@
 One CLOCK cache per table (the second-chance approximation of LRU that databases use: a hit
 costs a dict lookup and one bit, no list reshuffling), sized in bytes. Rows are stored in one
 numpy array per table, so a batch of hits is a single gather, in the store's row dtype (fp16 and
-int8/int4 rows take their stored bytes, not float32's).
+int8/int4 rows take their stored bytes, not float32's). A dynamic table's rows carry a tag: the
+id that held the row when it was read; a hit needs the id the request's map expects (a row given
+to another id by a live update is never taken for the old one, whatever the map still says).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class TableCache:
         self.slots: dict[int, int] = {}
         self.rows = np.zeros((capacity, width), dtype=dtype)  # [capacity, row width]
         self.owner = np.full(capacity, -1, dtype=np.int64)  # row id held by each slot
+        self.tags = np.zeros(capacity, dtype=np.int64)  # dynamic tables: the raw id the row held
         self.referenced = np.zeros(capacity, dtype=bool)
         self.hand = 0
         self.used = 0
@@ -44,10 +47,12 @@ class TableCache:
                 return slot
             self.referenced[slot] = False
 
-    def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        for i, row in zip(ids.tolist(), rows, strict=True):
+    def insert(self, ids: np.ndarray, rows: np.ndarray, tags: np.ndarray | None = None) -> None:
+        tag_list = tags.tolist() if tags is not None else [0] * len(ids)
+        for i, row, tag in zip(ids.tolist(), rows, tag_list, strict=True):
             if i in self.slots:
                 self.rows[self.slots[i]] = row
+                self.tags[self.slots[i]] = tag
                 continue
             slot = self._victim()
             old = int(self.owner[slot])
@@ -56,6 +61,7 @@ class TableCache:
             self.slots[i] = slot
             self.owner[slot] = i
             self.rows[slot] = row
+            self.tags[slot] = tag
             self.referenced[slot] = False
 
     def invalidate(self, ids: np.ndarray) -> None:
@@ -93,14 +99,18 @@ class RowCache:
     def epoch(self, table: str) -> int:
         return self.epochs.get(table, 0)
 
-    def get(self, table: str, ids: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """Cached rows of ``ids`` ([n, width] as stored, rows of misses undefined) and the hit mask."""
+    def get(self, table: str, ids: np.ndarray, tags: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+        """Cached rows of ``ids`` ([n, width] as stored, rows of misses undefined) and the hit mask;
+        ``tags`` [n]: a row hits only if it was cached with the same tag (dynamic tables)."""
         cache = self.tables.get(table)
         if cache is None:
             return None, np.zeros(len(ids), dtype=bool)
         with self.lock:
             slots, hit = cache.lookup(ids)
-            return cache.rows[np.maximum(slots, 0)], hit
+            at = np.maximum(slots, 0)
+            if tags is not None:
+                hit &= cache.tags[at] == tags
+            return cache.rows[at], hit
 
     def holds(self, tables: list[str], ids: list[int], batch: int) -> bool:
         """Whether the row of id ``ids[f * batch + b]`` of table ``tables[f]`` is cached for every
@@ -139,14 +149,15 @@ class RowCache:
                 out[b, columns[f] : columns[f + 1]] = cache.rows[slot]
         return True
 
-    def put(self, table: str, ids: np.ndarray, rows: np.ndarray, epoch: int) -> None:
+    def put(self, table: str, ids: np.ndarray, rows: np.ndarray, epoch: int, tags: np.ndarray | None = None) -> None:
         """Cache rows read from the store when the table's epoch was ``epoch``; if rows were
-        invalidated since (a live update raced the read), the read may be stale: drop it."""
+        invalidated since (a live update raced the read), the read may be stale: drop it.
+        ``tags`` [n]: the id each row held when read (dynamic tables)."""
         cache = self.tables.get(table)
         if cache is not None and len(ids):
             with self.lock:
                 if self.epochs.get(table, 0) == epoch:
-                    cache.insert(ids, rows)
+                    cache.insert(ids, rows, tags)
 
     def invalidate(self, table: str, ids: np.ndarray) -> None:
         cache = self.tables.get(table)

@@ -17,33 +17,39 @@ import torch.nn.functional as nnf
 from api.metrics import ServingMetrics
 from api.model import ServingModel
 from embedding_server.idmap.dynamic import shared_rows_of
+from embedding_server.idmap.view import NO_OWNER
 from embedding_server.stores import ServingStore
 from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, dequantize_rows
 
 
 def dynamic_rows(model: ServingModel, metrics: ServingMetrics, ids: np.ndarray, offsets: np.ndarray,
-                 batch: int) -> np.ndarray:
+                 batch: int, demote: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """ids int64 [N] with each dynamic table's raw ids replaced by their rows (not admitted: the
-    id's shared row)."""
+    id's shared row) -> (rows [N], the id each row must hold int64 [N], NO_OWNER where any:
+    shared rows, hashed tables; None without dynamic tables). ``demote`` (bool [N]): ids whose
+    row turned out to hold another id (a map lagging a live update): they read their shared row."""
     if not model.id_maps:
-        return ids
+        return ids, None
     out = ids.copy()
+    expect = np.full(len(ids), NO_OWNER, dtype=np.int64)
     spec = model.spec
     for f, t in enumerate(spec.feature_tables):
         table = spec.tables[t]
         name = table.name
         if name not in model.id_maps:
             continue
-        keys, rows = model.id_maps[name]
         lo, hi = offsets[f * batch], offsets[(f + 1) * batch]
         raw = ids[lo:hi]
-        at = np.minimum(np.searchsorted(keys, raw), max(len(keys) - 1, 0))
-        known = (keys[at] == raw) if len(keys) else np.zeros(len(raw), bool)
+        rows = model.id_maps[name].lookup(raw)  # [n], -1: no row
+        if demote is not None:
+            rows = np.where(demote[lo:hi], -1, rows)
+        known = rows >= 0
         shared = shared_rows_of(torch.from_numpy(np.ascontiguousarray(raw)), table.shared_row_count).numpy()
-        out[lo:hi] = np.where(known, rows[at] if len(keys) else 0, shared)
+        out[lo:hi] = np.where(known, rows, shared)
+        expect[lo:hi] = np.where(known, raw, NO_OWNER)
         if not known.all():
             metrics.unknown_ids.labels(table=name).inc(int((~known).sum()))
-    return out
+    return out, expect
 
 
 def _table_rows(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int):
@@ -72,16 +78,19 @@ ROW_BITS = 40
 ROW_MASK = (1 << ROW_BITS) - 1
 
 
-def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, uniques: dict[int, np.ndarray]
-           ) -> dict[int, np.ndarray]:
-    """Rows as stored [U_t, W_t] of every table's distinct ids: cache, store, defaults."""
+def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, uniques: dict[int, np.ndarray],
+           expect: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Rows as stored [U_t, W_t] of every table's distinct ids: cache, store, defaults; ``expect``
+    (dynamic tables: the id each row must hold [U_t], NO_OWNER: any) -> (rows, per dynamic
+    table the rows that hold another id now, bool [U_t])."""
     tables = model.spec.tables
     cache = model.cache  # this request's cache, whatever a refresh swaps in meanwhile
     out: dict[int, np.ndarray] = {}
     hits: dict[int, np.ndarray] = {}
     need: dict[str, np.ndarray] = {}
     for t, uniq in uniques.items():
-        rows, hit = cache.get(tables[t].name, uniq) if cache is not None else (None, np.zeros(len(uniq), bool))
+        rows, hit = (cache.get(tables[t].name, uniq, expect.get(t)) if cache is not None
+                     else (None, np.zeros(len(uniq), bool)))
         out[t] = rows.copy() if rows is not None else np.empty(
             (len(uniq), len(model.stored_defaults[tables[t].name])), NUMPY_DTYPE[model.row_dtype])
         hits[t] = hit
@@ -94,24 +103,34 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
     if cache is not None:
         metrics.cache_hits.inc(n_unique - n_need)
         metrics.cache_misses.inc(n_need)
-    fetched = {}
+    fetched, stale, checks = {}, {}, {}
     if need:
         t0 = time.perf_counter()
-        fetched = store.get_stored_rows_many(model.version, need)  # raises VersionNotFound if it was deleted
+        checks = {tables[t].name: e[~hits[t]] for t, e in expect.items() if tables[t].name in need}
+        if checks:  # dynamic tables: each row with the id it holds (a map may lag the rows)
+            fetched = store.get_checked_rows_many(model.version, need, checks)
+        else:
+            fetched = {k: (*v, None) for k, v in store.get_stored_rows_many(model.version, need).items()}
         metrics.store_latency.labels(operation="lookup").observe(time.perf_counter() - t0)
     for t in uniques:
         name = tables[t].name
         if name not in fetched:
             continue
-        got, present = fetched[name]
+        got, present, owned = fetched[name]
+        owned = owned if name in checks else None  # (checked: dynamic tables)
         missing = ~present
         if missing.any():
             metrics.unknown_ids.labels(table=name).inc(int(missing.sum()))
             got[missing] = model.stored_defaults[name]
         out[t][~hits[t]] = got
+        keep = np.ones(len(got), bool) if owned is None else owned
+        if owned is not None and not owned.all():
+            stale[t] = np.zeros(len(uniques[t]), bool)
+            stale[t][np.flatnonzero(~hits[t])[~owned]] = True
         if cache is not None:  # default rows too: a row absent now stays absent until a live
-            cache.put(name, need[name], got, epochs[name])  # update writes it (and invalidates it)
-    return out
+            tags = checks[name][keep] if owned is not None else None  # update writes it (and invalidates it)
+            cache.put(name, need[name][keep], got[keep], epochs[name], tags)
+    return out, stale
 
 
 FEW = 16
@@ -133,11 +152,12 @@ def all_cached(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch:
 
 
 def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
-            batch: int) -> torch.Tensor | None:
+            batch: int, expect: np.ndarray | None = None) -> torch.Tensor | None:
     """Pooled embeddings float [B, sum(D_f)] of a few one-hot examples gathered straight into one
     array (int8 / int4 rows: their bytes, dequantized with numpy): from the tables' mappings
-    (file store), or from the row cache when it holds every row; None: take the general path (a
-    miss, bags, no mapping)."""
+    (file store; dynamic tables' rows checked against their owners after the gather), or from the
+    row cache when it holds every row (hashed tables only); None: take the general path (a miss,
+    bags, no mapping, a row that holds another id)."""
     if (model.mapped is None and model.cache is None) or not _few_one_hot(model, ids, offsets, batch):
         return None
     columns = model.stored_columns  # feature f: columns[f]:columns[f + 1] of a row as stored
@@ -145,7 +165,9 @@ def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offse
     if model.mapped is not None:
         for f, table in enumerate(model.mapped):
             out[:, columns[f] : columns[f + 1]] = table[ids[f * batch : (f + 1) * batch]]
-    elif not model.cache.gather(model.table_names, ids.tolist(), out, columns):
+        if expect is not None and not _owned(model, ids, expect, batch):
+            return None
+    elif expect is not None or not model.cache.gather(model.table_names, ids.tolist(), out, columns):
         return None
     distinct = len(set(zip(np.repeat(model.feature_tables, batch).tolist(), ids.tolist(), strict=True)))
     metrics.lookups.inc(distinct)
@@ -170,16 +192,52 @@ def _as_float(model: ServingModel, out: np.ndarray) -> np.ndarray:
                            for f, d in enumerate(dims)], axis=1)
 
 
+def _owned(model: ServingModel, ids: np.ndarray, expect: np.ndarray, batch: int) -> bool:
+    """Whether every gathered row of a dynamic table still holds the id the map gave it (the
+    owners read after the rows: a store clears a row's owner before rewriting it)."""
+    if model.owners is None:
+        return False
+    for f, owners in enumerate(model.owners):
+        if owners is not None:
+            rows, want = ids[f * batch : (f + 1) * batch], expect[f * batch : (f + 1) * batch]
+            check = want != NO_OWNER
+            if (owners[rows[check]] != want[check]).any():
+                return False
+    return True
+
+
+def _expected(model: ServingModel, uniques: dict[int, np.ndarray], inverse: dict[int, np.ndarray],
+              expect: np.ndarray | None, offsets: np.ndarray, batch: int) -> dict[int, np.ndarray]:
+    """The id each distinct row of a dynamic table must hold, int64 [U_t] per table (NO_OWNER: any)."""
+    if expect is None:
+        return {}
+    out: dict[int, np.ndarray] = {}
+    for f, t in enumerate(model.feature_tables):
+        if model.spec.tables[t].name in model.id_maps:
+            e = out.setdefault(t, np.full(len(uniques[t]), NO_OWNER, dtype=np.int64))
+            e[inverse[f]] = expect[offsets[f * batch] : offsets[(f + 1) * batch]]
+    return out
+
+
 def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
           batch: int) -> torch.Tensor:
     """Pooled embeddings float [B, sum(D_f)] of a feature-major id batch."""
     spec = model.spec
-    ids = dynamic_rows(model, metrics, ids, offsets, batch)
-    direct = _direct(metrics, model, ids, offsets, batch)
+    raw = ids
+    ids, expect = dynamic_rows(model, metrics, raw, offsets, batch)
+    direct = _direct(metrics, model, ids, offsets, batch, expect)
     if direct is not None:
         return direct
     uniques, inverse, joint = _table_rows(model, ids, offsets, batch)
-    rows = _fetch(store, metrics, model, uniques)
+    rows, stale = _fetch(store, metrics, model, uniques, _expected(model, uniques, inverse, expect, offsets, batch))
+    if stale:  # rows given to other ids than this replica's map says: those ids read their shared row
+        demote = np.zeros(len(ids), bool)
+        for f, t in enumerate(model.feature_tables):
+            if t in stale:
+                demote[offsets[f * batch] : offsets[(f + 1) * batch]] = stale[t][inverse[f]]
+        ids, _ = dynamic_rows(model, metrics, raw, offsets, batch, demote)
+        uniques, inverse, joint = _table_rows(model, ids, offsets, batch)
+        rows, _ = _fetch(store, metrics, model, uniques, {})
     if not len(spec.categorical):
         return torch.zeros(batch, 0)
     if model.pooler is not None:  # int8 / int4: fbgemm pools the rows as stored

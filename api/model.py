@@ -13,6 +13,7 @@ from dlrm_core.featurize import Featurizer
 from dlrm_core.featurize_values import ValueFeaturizer
 from dlrm_core.formats import LineParser
 from dlrm_core.schema import FeatureSpec
+from embedding_server.idmap.view import IdMapView
 from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, ModelVersion, encode_rows, row_width
 
 
@@ -41,8 +42,9 @@ class ServingModel:
 
     def __init__(self, meta: ModelVersion, dense: torch.nn.Module, cache_bytes: float, remote: bool,
                  cursor: str | None = None, generation: int = 0,
-                 id_maps: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
-                 mapped: list[np.ndarray | None] | None = None) -> None:
+                 id_maps: dict[str, IdMapView] | None = None,
+                 mapped: list[np.ndarray | None] | None = None,
+                 owners: dict[str, np.ndarray] | None = None) -> None:
         self.meta = meta
         self.version = meta.version
         self.spec: FeatureSpec = meta.spec
@@ -85,7 +87,12 @@ class ServingModel:
         from these."""
         self.table_names = [self.spec.tables[t].name for t in self.feature_tables]
         self.id_maps = id_maps or {}
-        """Dynamic tables: (admitted ids int64 [n] sorted, their rows int64 [n]), by table name."""
+        """Dynamic tables' id maps (base and live updates' overlay), by table name."""
+        self.owners = None
+        """Per feature, its dynamic table's owners mapping (file store: int64 [R]) or None; None
+        where a dynamic table has none (the direct gather then checks nothing: it is skipped)."""
+        if self.id_maps and owners is not None and all(owners.get(n) is not None for n in self.id_maps):
+            self.owners = [owners.get(name) for name in self.table_names]
         self.cursor = cursor
         """The store's live-update cursor of this version."""
         self.generation = generation

@@ -24,6 +24,7 @@ from api.model import ServingModel, build_dense, warm_up
 from api.schemas import PositionalInstance
 from api.settings import Settings
 from api.versions import Versions
+from embedding_server.idmap.view import IdMapView
 from embedding_server.stores import ServingStore, VersionNotFound
 
 log = logging.getLogger(__name__)
@@ -58,10 +59,13 @@ class ModelService:
         start = self.store.poll_updates(version, None)  # updates after this are applied later
         dense = build_dense(meta, self.store.read_dense(version))
         warm_up(dense, meta)
-        id_maps = {t.name: self.store.read_id_map(version, t.name) for t in meta.spec.tables if t.dynamic is not None}
+        dynamic = [t.name for t in meta.spec.tables if t.dynamic is not None]
+        id_maps = {name: IdMapView(*self.store.read_id_map(version, name)) for name in dynamic}
         mapped = [self.store.mapped_table(version, t.name) for t in meta.spec.tables]
+        owners = {name: self.store.mapped_owners(version, name) for name in dynamic}
         model = ServingModel(meta, dense, self.settings.cache_mb * 2**20, self.store.remote,
-                             cursor=start.cursor, generation=start.generation, id_maps=id_maps, mapped=mapped)
+                             cursor=start.cursor, generation=start.generation, id_maps=id_maps, mapped=mapped,
+                             owners=owners)
         # One request through the whole path (featurising, lookups, network) before real ones.
         empty = PositionalInstance(dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.categorical))
         self.score(model, featurize_instances(meta.spec, model.featurizer, [empty]))

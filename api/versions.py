@@ -3,7 +3,8 @@
 
 A background thread polls the store (``DLRM_POLL_INTERVAL_S``): a new current version is loaded
 off to the side and swapped in; live updates of every loaded version invalidate their cached
-rows and swap their dense networks; updates that were lost (a trimmed update stream) reload the
+rows, move their dynamic tables' id maps (ids admitted and evicted), and swap their dense
+networks; updates that were lost (a trimmed update stream) reload the
 version. A version deleted from the store (collected while this replica lagged) is never served
 from what is left of it: its reads raise, a request then gets 503 while the current version
 loads at once (``vanished`` wakes the poller), or 404 when it had pinned that version.
@@ -22,6 +23,7 @@ from api.errors import ModelNotFound, NotReady
 from api.metrics import ServingMetrics
 from api.model import ServingModel, build_dense
 from api.settings import Settings
+from embedding_server.idmap.view import IdMapView
 from embedding_server.stores import ServingStore, VersionNotFound
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,11 @@ class Versions:
         if model.cache is not None:
             for table, ids in batch.rows.items():
                 model.cache.invalidate(table, ids)
+        for table, delta in batch.id_maps.items():  # admitted and evicted ids (rows carry owners)
+            if table in model.id_maps and table not in batch.maps_rebased:
+                model.id_maps[table].apply(delta)
+        for table in batch.maps_rebased & set(model.id_maps):  # the store folded its map: read it
+            model.id_maps[table] = IdMapView(*self.store.read_id_map(model.version, table))
         self.metrics.live_updates.inc(sum(len(ids) for ids in batch.rows.values()))
         if batch.dense_changed:
             model.dense = build_dense(model.meta, self.store.read_dense(model.version))

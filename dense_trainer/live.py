@@ -1,8 +1,9 @@
 """Live updates while ``dlrm train`` runs (see ``embedding_server/live.py`` for the mechanics).
 
 Single process: at start a full version (``live-<time>-step<N>``) is published from the
-in-memory tables; the trainer then pushes the rows its steps touch every ``push_every_s`` and
-the dense weights every ``dense_every_s``.
+in-memory tables (with the id maps of dynamic tables); the trainer then pushes the rows its
+steps touch (dynamic tables: with their id-map changes) every ``push_every_s`` and the dense
+weights every ``dense_every_s``.
 
 With embedding servers: the job checkpoints, the master publishes that checkpoint as the live
 version, every server pushes the rows of its own pieces, and the master pushes the dense
@@ -67,11 +68,15 @@ class LivePublisher:
             embedding_dim=t.cfg.embedding.dim, source="live training",
         )
         weights = t.client.export_state()
+        shard = t.client.shard
+        id_rows = shard.id_maps.id_rows() if shard.id_maps else {}
         with self.store.begin(meta) as writer:
             for table in self.spec.tables:
                 w = weights[f"{table.name}.weight"]
                 for start in range(0, table.rows, CHUNK_ROWS):
                     writer.write_rows(table.name, start, w[start : start + CHUNK_ROWS].detach().cpu().float().numpy())
+                if table.name in id_rows:
+                    writer.write_id_map(table.name, *(a.numpy() for a in id_rows[table.name]))
             writer.write_dense(t.model.state_dict())
             writer.commit()
         self.version = meta.version
@@ -79,6 +84,7 @@ class LivePublisher:
         self.rows = LivePusher(
             self.store, self.version, [(t.name, 0, t.rows) for t in self.spec.tables],
             lambda: [self.trainer.client.table_weights()[n] for n in names], self.push_every_s,
+            owners=shard.id_owners if shard.id_maps else None,
         )
         self._dense = self.rows
         log.info("live updates: published %s to %s; pushing rows every %.1fs", self.version, self.store.url, self.push_every_s)
@@ -96,8 +102,9 @@ class LivePublisher:
         """Mark the batch's rows dirty (single process); push when due. Called between steps."""
         if self.rows is not None:
             b = sparse.batch_size
+            values = self.trainer.client.trained_rows(sparse)  # dynamic tables' ids as rows
             for f, t in enumerate(self.spec.feature_tables):  # the rows of feature f's table
-                self.rows.mark(t, sparse.values[sparse.offsets[f * b] : sparse.offsets[(f + 1) * b]].numpy())
+                self.rows.mark(t, values[sparse.offsets[f * b] : sparse.offsets[(f + 1) * b]].numpy())
             self.rows.maybe_push()
         now = time.monotonic()
         if self._dense is not None and now - self._last_dense >= self.dense_every_s:

@@ -458,10 +458,6 @@ class Trainer:
         from dense_trainer.live import LivePublisher
         from embedding_server.stores import open_store
 
-        dynamic = [t.name for t in self.spec.tables if t.dynamic is not None]
-        if dynamic:  # pushed rows would change owners without their id map following
-            raise ConfigError(f"live updates do not carry id maps yet: tables {', '.join(dynamic[:3])} have "
-                              "dynamic ids (publish checkpoints with `dlrm publish` instead)")
         live = self.cfg.live
         if self.cluster is None:  # the tables are here: publish them from memory
             self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)

@@ -234,10 +234,11 @@ class EmbeddingServer:
             if not early:
                 self._flush(k)  # this chunk's lookup sees the previous step's update
             pooled = self._lookup_chunk(k, a, b, per_trainer, batches, train)
+            marks = self._marks(k, a, b, per_trainer) if train else None
             update = self.stage.respond(pooled, batches, train)
             if self.semi_sync:
                 self._flush(k)  # the previous step's update runs after this lookup
-            updates.append(self._after(update, a, b, per_trainer, last=k == len(chunks) - 1) if train else None)
+            updates.append(self._after(update, a, marks, last=k == len(chunks) - 1) if train else None)
         if train and self.corrector is not None:
             for k, (a, b) in enumerate(chunks):
                 stale = self._pending[k] is not None  # an update the early lookup did not see
@@ -263,13 +264,24 @@ class EmbeddingServer:
         self.timings["lookup_s"] += time.perf_counter() - t0
         return pooled
 
-    def _after(self, update: Update | None, a: int, b: int, per_trainer: list, last: bool) -> Update:
+    def _marks(self, k: int, a: int, b: int, per_trainer: list) -> list[torch.Tensor] | None:
+        """The rows chunk k's training lookup read, per slot a..b-1 (dynamic tables' ids remapped
+        to rows, as the lookup mapped them): what live updates mark once its update ran."""
+        if self.live is None or not self.shards:
+            return None
+        parts = [torch.cat([ids[j][0] for ids in per_trainer]) for j in range(a, b)]
+        values = self.shards[k].trained_values
+        if values is None or not sum(len(p) for p in parts):  # hashed only, or nothing looked up
+            return parts
+        return list(torch.split(values, [len(p) for p in parts]))
+
+    def _after(self, update: Update | None, a: int, marks: list[torch.Tensor] | None, last: bool) -> Update:
         def run() -> None:
             if update is not None:
                 update()
-            if self.live is not None and self.shards:
-                for j in range(a, b):
-                    self.live.mark(self.slot_piece[j], torch.cat([ids[j][0] for ids in per_trainer]).numpy())
+            if self.live is not None and marks is not None:
+                for j, rows in enumerate(marks, start=a):
+                    self.live.mark(self.slot_piece[j], rows.numpy())
             if last:
                 self.steps += 1
                 if self.live is not None:
@@ -295,5 +307,6 @@ class EmbeddingServer:
         self.live = LivePusher(
             store, version, [(p.table, p.row_start, p.rows) for p in self.pieces],
             lambda: [self.shard.table_weights()[n] for n in names], self.live_config.push_every_s,
+            owners=self.shard.id_owners,
         )
         log.info("server %d pushes live updates (version %s)", self.index, version)

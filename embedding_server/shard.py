@@ -103,6 +103,9 @@ class EmbeddingShard(nn.Module):
         self.seed = seed
         self.reset_parameters(seed)
         self.touched = TouchedRows([t.spec.rows for t in tables])
+        self.trained_values: torch.Tensor | None = None
+        """Dynamic tables: the values of the last training lookup, ids remapped to rows (what
+        live updates mark)."""
         """Rows trained (what checkpoints write: ``table_snapshot.py``)."""
         # Dynamic tables: raw ids -> rows before the kernels (admission, eviction, row resets).
         self._blocks: tuple[RowBlocks, dict[str, RowBlocks]] | None = None
@@ -156,6 +159,8 @@ class EmbeddingShard(nn.Module):
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
         if self.id_maps:  # a lookup that will be backpropagated trains: it may admit and evict
             sparse = self.id_maps.remap(sparse, train=torch.is_grad_enabled())
+            if torch.is_grad_enabled():
+                self.trained_values = sparse.values
         if torch.is_grad_enabled():  # a training lookup: its rows are updated on backward
             for f, piece in enumerate(self.feature_map):
                 self.touched.mark(piece, sparse.feature_values(f)[0].cpu())
@@ -209,6 +214,10 @@ class EmbeddingShard(nn.Module):
         """Per dynamic table: rows_used, admitted, evicted, default_lookups (none: hashed)."""
         return self.id_maps.stats()
 
+    def id_owners(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per dynamic table: (row_id [R], used [R]) views, the id each used row holds (live updates)."""
+        return self.id_maps.owners() if self.id_maps else {}
+
     def load_id_maps(self, maps: dict[str, torch.Tensor]) -> None:
         """The id maps of its dynamic tables, ``<table>.idmap.<name>`` -> tensor (others ignored)."""
         if self.id_maps:
@@ -261,6 +270,9 @@ class ShardSet:
 
     def id_stats(self) -> dict[str, dict[str, int]]:
         return {name: s for shard in self.shards for name, s in shard.id_stats().items()}
+
+    def id_owners(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {name: o for shard in self.shards for name, o in shard.id_owners().items()}
 
     def load_id_maps(self, maps: dict[str, torch.Tensor]) -> None:
         for shard in self.shards:
@@ -332,6 +344,12 @@ class InProcessEmbeddingClient(EmbeddingClient):
 
     def id_stats(self) -> dict[str, dict[str, int]]:
         return self.shard.id_stats()
+
+    def trained_rows(self, sparse: SparseFeatures) -> torch.Tensor:
+        """The rows the last training lookup (of ``sparse``) read: its values, dynamic tables'
+        ids remapped."""
+        values = self.shard.trained_values
+        return sparse.values if values is None else values
 
     def live_start(self, publish: Callable[[], str] | None) -> str:
         """One process holds everything: publishing is all there is to do."""

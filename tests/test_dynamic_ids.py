@@ -128,15 +128,6 @@ def test_dynamic_run_reports_rows_and_resumes_exactly(synth_small, tmp_path):
     assert written["embedding_ids_admitted"] == metrics_b["embedding_ids_admitted"]
 
 
-def test_live_updates_refuse_dynamic_tables(synth_small, tmp_path):
-    from dlrm_core.errors import ConfigError
-
-    cfg = tiny_config(embedding={"ids": "dynamic"}, live={"store": f"file://{tmp_path / 'store'}"},
-                      train={"max_steps": 2})
-    with pytest.raises(ConfigError, match="live updates do not carry id maps"):
-        Trainer(cfg, tmp_path / "run").fit([synth_small / "train.txt"], [synth_small / "test.txt"])
-
-
 def test_specs_before_shared_rows_keep_one_default_row_and_configs_get_shared_rows():
     """A published version or checkpoint written before ``shared_rows`` existed keeps its meaning
     (row 0 for every id without a row); a config asking for dynamic ids gets shared rows."""

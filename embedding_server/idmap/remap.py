@@ -223,6 +223,11 @@ class ShardIdMaps:
         """Per dynamic table: (admitted ids sorted, their rows)."""
         return {self.tables[t].table.name: m.items() for t, m in self.maps.items()}
 
+    def owners(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per dynamic table: (row_id int64 [R], used bool [R]) views: the id each row holds
+        where ``used`` (what live updates compare between pushes)."""
+        return {self.tables[t].table.name: (m.row_id, m.used) for t, m in self.maps.items()}
+
     def state(self) -> dict[str, torch.Tensor]:
         """``<table>.idmap.<name>`` -> tensor (views), for the shard's export_state."""
         return {f"{self.tables[t].table.name}.idmap.{k}": v for t, m in self.maps.items() for k, v in m.state().items()}

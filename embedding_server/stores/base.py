@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dlrm_core.errors import ConfigError, DlrmError
+from embedding_server.idmap.view import NO_OWNER, IdMapDelta
 from embedding_server.wire import ModelVersion, dequantize_rows
 
 
@@ -47,6 +48,9 @@ class UpdateBatch:
         lost: updates since the cursor were dropped (a trimmed update stream): the reader
             cannot know which rows changed and must reload the version.
         written_at: Unix time the oldest update of the batch was written (None: no update).
+        id_maps: dynamic tables: their id-map changes since the cursor, merged in order.
+        maps_rebased: dynamic tables whose stored map was compacted since the cursor: read it
+            again (:meth:`ServingStore.read_id_map`) instead of applying ``id_maps``.
     """
 
     cursor: str
@@ -55,6 +59,8 @@ class UpdateBatch:
     dense_changed: bool = False
     lost: bool = False
     written_at: float | None = None
+    id_maps: dict[str, IdMapDelta] = field(default_factory=dict)
+    maps_rebased: set[str] = field(default_factory=set)
 
 
 class VersionWriter(ABC):
@@ -102,6 +108,8 @@ class ServingStore(ABC):
 
     def __init__(self, keep_versions: int = 3) -> None:
         self.keep_versions = keep_versions
+        self.compactions = 0
+        """Dynamic tables' id-map overlays this instance folded into their base (live updates)."""
 
     # -- registry ---------------------------------------------------------------------------------
     @abstractmethod
@@ -148,11 +156,42 @@ class ServingStore(ABC):
 
     @abstractmethod
     def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
-        """A dynamic table's (ids int64 [n] sorted, rows int64 [n]), as :meth:`VersionWriter.write_id_map` wrote them."""
+        """A dynamic table's (ids int64 [n] sorted, rows int64 [n]): as :meth:`VersionWriter.write_id_map`
+        wrote them, with every live update's changes applied."""
+
+    @abstractmethod
+    def read_owners(self, version: str, table: str, rows: np.ndarray) -> np.ndarray:
+        """The id each of a dynamic table's ``rows`` (int64 [n]) holds now, int64 [n] (NO_OWNER: none)."""
+
+    def get_checked_rows_many(
+        self, version: str, requests: dict[str, np.ndarray], expect: dict[str, np.ndarray]
+    ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """:meth:`get_stored_rows_many`, and for the tables in ``expect`` (int64 [n] per table: the
+        id the reader's map says holds each row, NO_OWNER: unchecked) whether it still does,
+        bool [n] (False: another id's row, or none; serve the id its shared row). Here the
+        owners are read after the rows (a store whose rows and owners change together, owner
+        cleared before a row is rewritten, so an owner still right after the read vouches for it);
+        a remote store reads both in one atomic call."""
+        stored = self.get_stored_rows_many(version, requests)
+        out = {}
+        for table, (raw, present) in stored.items():
+            owned = np.ones(len(raw), dtype=bool)
+            if table in expect:
+                want = expect[table]
+                check = want != NO_OWNER
+                if check.any():
+                    owned[check] = self.read_owners(version, table, requests[table][check]) == want[check]
+            out[table] = (raw, present, owned)
+        return out
 
     def mapped_table(self, version: str, table: str) -> np.ndarray | None:
         """The rows of ``table`` as an array in memory (float [rows, D], read-only, the store's
         own mapping), for stores that have one; None: read rows with :meth:`get_rows`."""
+        return None
+
+    def mapped_owners(self, version: str, table: str) -> np.ndarray | None:
+        """A dynamic table's owners as an array in memory (int64 [R], read-only, live), for stores
+        that have one (single requests then gather rows and check them directly); None: none."""
         return None
 
     def get_rows_many(
@@ -172,8 +211,12 @@ class ServingStore(ABC):
 
     # -- live updates -------------------------------------------------------------------------------
     @abstractmethod
-    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
-        """Rewrite rows of a published version: table -> (ids int64 [n], rows float [n, D])."""
+    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]],
+                    id_maps: dict[str, IdMapDelta] | None = None) -> None:
+        """Rewrite rows of a published version: table -> (ids int64 [n], rows float [n, D]);
+        ``id_maps``: dynamic tables' map changes, written so that a reader never takes a row for
+        an id that does not hold it (the changed rows' owners are cleared before their rows are
+        rewritten, and set after)."""
 
     @abstractmethod
     def update_dense(self, version: str, state: dict[str, torch.Tensor]) -> None: ...

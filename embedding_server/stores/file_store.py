@@ -8,6 +8,13 @@
                                          fbgemm's row-wise layout [rows, row_width]; memory-mapped
     DIR/versions/<v>/idmaps/<name>.npy   dynamic tables: int64 [2, n], admitted ids (sorted) over
                                          their rows; readers ``searchsorted`` them
+    DIR/versions/<v>/idmaps/<name>.overlay.npy   live updates: int64 [2, k], the ids changed since
+                                         (sorted) over their rows now (-1: evicted); rewritten
+                                         whole by each push (O(k + c)), folded into the base past
+                                         ``view.compact_at(n)`` entries (O(n), amortised O(1) a change)
+    DIR/versions/<v>/idmaps/<name>.rebased   generation of the last fold (absent: none)
+    DIR/versions/<v>/idmaps/<name>.owner.npy   int64 [R], the id each row holds (memory-mapped,
+                                         rewritten in place: cleared before a changed row is)
     DIR/versions/<v>/GENERATION          live updates written to the version so far
 
 A version is written under ``DIR/versions/.tmp-*`` and renamed into place when complete, and only
@@ -21,6 +28,7 @@ live update never writes into a version being deleted.
 from __future__ import annotations
 
 import fcntl
+import io
 import os
 import re
 import shutil
@@ -35,6 +43,14 @@ import torch
 
 from dlrm_core.errors import ConfigError
 from embedding_server.checkpoint import atomic_write_bytes, fsync_dir
+from embedding_server.idmap.view import (
+    NO_OWNER,
+    IdMapDelta,
+    compact_at,
+    fold,
+    merge_overlay,
+    owners_of,
+)
 from embedding_server.stores.base import ServingStore, UpdateBatch, VersionNotFound, VersionWriter
 from embedding_server.wire import (
     NUMPY_DTYPE,
@@ -83,6 +99,7 @@ class FileVersionWriter(VersionWriter):
     def write_id_map(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         (self.tmp / "idmaps").mkdir(exist_ok=True)
         np.save(self.tmp / "idmaps" / f"{table}.npy", np.stack([ids, rows]).astype(np.int64))
+        np.save(self.tmp / "idmaps" / f"{table}.owner.npy", owners_of(self._dims[table][0], ids, rows))
 
     def commit(self) -> None:
         for name in self._dims:  # tables never written are all zeros
@@ -176,25 +193,44 @@ class FileStore(ServingStore):
     def read_dense(self, version: str) -> dict[str, torch.Tensor]:
         return decode_state((self._vdir(version) / "dense.pt").read_bytes())
 
-    def _map(self, version: str, table: str, writable: bool = False) -> np.ndarray:
+    def _map(self, version: str, table: str, writable: bool = False, folder: str = "tables") -> np.ndarray:
         if writable:
-            return np.load(self._vdir(version) / "tables" / f"{table}.npy", mmap_mode="r+")
+            return np.load(self._vdir(version) / folder / f"{table}.npy", mmap_mode="r+")
         key = (version, table)
         arr = self._maps.get(key)
         if arr is None:
             with self._lock:
                 arr = self._maps.get(key)
                 if arr is None:
-                    arr = np.load(self._vdir(version) / "tables" / f"{table}.npy", mmap_mode="r")
+                    arr = np.load(self._vdir(version) / folder / f"{table}.npy", mmap_mode="r")
                     self._maps[key] = arr
         return arr
 
-    def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
+    def _id_map_parts(self, vdir: Path, table: str) -> tuple[np.ndarray, ...]:
+        """(base ids, base rows, overlay ids, overlay rows) of a dynamic table (hold the lock)."""
         try:
-            pair = np.load(self._vdir(version) / "idmaps" / f"{table}.npy", mmap_mode="r")
+            base = np.load(vdir / "idmaps" / f"{table}.npy")
         except FileNotFoundError:
-            raise VersionNotFound(f"{self.url}: version {version!r} has no id map of table {table}", version) from None
-        return pair[0], pair[1]
+            raise VersionNotFound(f"{self.url}: version {vdir.name!r} has no id map of table {table}",
+                                  vdir.name) from None
+        path = vdir / "idmaps" / f"{table}.overlay.npy"
+        over = np.load(path) if path.exists() else np.zeros((2, 0), np.int64)
+        return base[0], base[1], over[0], over[1]
+
+    def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
+        with self.locked():
+            return fold(*self._id_map_parts(self._vdir(version), table))
+
+    def read_owners(self, version: str, table: str, rows: np.ndarray) -> np.ndarray:
+        return self._owners(version, table)[rows]
+
+    def _owners(self, version: str, table: str, writable: bool = False) -> np.ndarray:
+        """A dynamic table's owners, int64 [R] (memory-mapped, cached like the tables)."""
+        return self._map(version, f"{table}.owner", writable, folder="idmaps")
+
+    def mapped_owners(self, version: str, table: str) -> np.ndarray:
+        """The owners' mapping, read-only (single requests check the rows they gather against it)."""
+        return np.asarray(self._owners(version, table))
 
     def get_stored_rows_many(
         self, version: str, requests: dict[str, np.ndarray]
@@ -228,15 +264,38 @@ class FileStore(ServingStore):
     def _bump(self, vdir: Path) -> None:
         atomic_write_bytes(vdir / "GENERATION", str(self._generation(vdir) + 1).encode())
 
-    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]],
+                    id_maps: dict[str, IdMapDelta] | None = None) -> None:
+        # Readers see rows the moment they are written (the same pages): a changed row's owner is
+        # cleared first, its map entry moves, the row is rewritten, then the new owner is set.
         with self.locked():
             vdir = self._vdir(version)
             meta = self.read_meta(version)
+            owners = {table: self._owners(version, table, writable=True) for table in id_maps or {}}
+            for table, delta in (id_maps or {}).items():
+                owners[table][delta.slots] = NO_OWNER
+                self._write_overlay(vdir, table, delta)
             for table, (ids, rows) in updates.items():
                 arr = self._map(version, table, writable=True)
                 arr[ids] = encode_rows(rows, meta.row_dtype)
                 arr.flush()
+            for table, delta in (id_maps or {}).items():
+                owners[table][delta.slots] = delta.owners
+                owners[table].flush()
             self._bump(vdir)
+
+    def _write_overlay(self, vdir: Path, table: str, delta: IdMapDelta) -> None:
+        """Merge a push's map changes into the table's overlay (rewritten atomically); fold it into
+        the base once it is past ``compact_at`` entries (hold the lock)."""
+        base_ids, base_rows, over_ids, over_rows = self._id_map_parts(vdir, table)
+        over_ids, over_rows = merge_overlay(over_ids, over_rows, delta.ids, delta.rows)
+        folder = vdir / "idmaps"
+        if len(over_ids) > compact_at(len(base_ids)):
+            atomic_write_bytes(folder / f"{table}.npy", _npy(np.stack(fold(base_ids, base_rows, over_ids, over_rows))))
+            atomic_write_bytes(folder / f"{table}.rebased", str(self._generation(vdir) + 1).encode())
+            over_ids = over_rows = np.zeros(0, np.int64)
+            self.compactions += 1
+        atomic_write_bytes(folder / f"{table}.overlay.npy", _npy(np.stack([over_ids, over_rows])))
 
     def update_dense(self, version: str, state: dict[str, torch.Tensor]) -> None:
         with self.locked():
@@ -257,5 +316,29 @@ class FileStore(ServingStore):
         written_at = None
         if cursor is not None and cursor.partition(":")[0] != str(generation):
             written_at = (vdir / "GENERATION").stat().st_mtime  # (the newest write: a lower bound)
-        return UpdateBatch(cursor=f"{generation}:{stamp}", generation=generation, dense_changed=dense_changed,
-                           written_at=written_at)
+        batch = UpdateBatch(cursor=f"{generation}:{stamp}", generation=generation, dense_changed=dense_changed,
+                            written_at=written_at)
+        if written_at is not None:
+            self._map_changes(version, vdir, int(cursor.partition(":")[0] or 0), batch)
+        return batch
+
+    def _map_changes(self, version: str, vdir: Path, seen: int, batch: UpdateBatch) -> None:
+        """Dynamic tables' changes since generation ``seen``: the whole overlay (every id changed
+        since the base, O(k)), or a re-read where the base was folded since."""
+        dynamic = [t.name for t in self.read_meta(version).spec.tables if t.dynamic is not None]
+        with self.locked():
+            for table in dynamic:
+                rebased = vdir / "idmaps" / f"{table}.rebased"
+                if rebased.exists() and int(rebased.read_text() or 0) > seen:
+                    batch.maps_rebased.add(table)
+                    continue
+                _, _, ids, rows = self._id_map_parts(vdir, table)
+                if len(ids):
+                    batch.id_maps[table] = IdMapDelta(ids, rows, np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+
+def _npy(arr: np.ndarray) -> bytes:
+    """``arr`` as the bytes of a .npy file."""
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()

@@ -34,11 +34,14 @@ return 1
 """
 
 UPDATE_ROWS = """
--- KEYS: meta, generation, stream, then the row blocks
--- ARGV: maxlen, n_fields, field/value pairs of the stream entry (n_fields of them),
---       then per block: its length in bytes, n_rows, offset/row pairs.
+-- KEYS: meta, generation, stream, then H id-map overlay hashes, then the blocks (rows, owners)
+-- ARGV: maxlen, n_fields, field/value pairs of the stream entry (n_fields of them), H, then
+--       per hash: n_pairs, id/row pairs; then per block: its length in bytes, n_rows,
+--       offset/bytes pairs.
 -- -> the new generation, or -1 (no version). A block not there yet (no row of it was
 -- published) is created all ABSENT bytes first, so its other rows still read as absent.
+-- Rows, owners and map entries of one push change together: a reader's gather of a row and
+-- its owner (one GATHER call) sees both before or both after.
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local g = redis.call('INCR', KEYS[2])
 local pos = 2
@@ -49,7 +52,17 @@ for i = 1, n do
   entry[#entry + 1] = ARGV[pos + 2 * i]
 end
 pos = pos + 2 * n + 1
-for k = 4, #KEYS do
+local hashes = tonumber(ARGV[pos])
+pos = pos + 1
+for h = 1, hashes do
+  local count = tonumber(ARGV[pos])
+  pos = pos + 1
+  for i = 1, count do
+    redis.call('HSET', KEYS[3 + h], ARGV[pos], ARGV[pos + 1])
+    pos = pos + 2
+  end
+end
+for k = 4 + hashes, #KEYS do
   local size = tonumber(ARGV[pos])
   local rows = tonumber(ARGV[pos + 1])
   pos = pos + 2
@@ -63,6 +76,16 @@ for k = 4, #KEYS do
 end
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[1], '*', unpack(entry))
 return g
+"""
+
+COMPACT = """
+-- KEYS: meta, id-map base, its overlay hash; ARGV: the overlay's entries when it was read,
+-- the folded base.  -> 1 (folded), 0 (the overlay changed meanwhile: left), -1 (no version)
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('DEL', KEYS[3])
+return 1
 """
 
 GATHER = """#!lua flags=no-writes

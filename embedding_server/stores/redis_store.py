@@ -13,9 +13,14 @@ Keys (``P`` is the prefix, default ``dlrm``):
                                    blocks without a published row are not there
     P:v:<v>:idmap:<table>          dynamic tables: int64 [2, n] bytes, admitted ids (sorted) over
                                    their rows (read once per loaded version)
+    P:v:<v>:idmap:<table>:over     hash keyed by raw id (8 bytes): the row (8 bytes, -1 evicted) of
+                                   each id live updates changed since; folded into the base past
+                                   ``view.compact_at(n)`` entries
+    P:v:<v>:o:<table>:<block>      dynamic tables: the id each row holds (int64), in blocks like
+                                   the rows'; a gather reads a row and its owner in one call
     P:v:<v>:gen                    live updates written to the version so far (its generation)
     P:v:<v>:updates                stream of live updates: {g: generation, t:<table>: int64 ids
-                                   bytes, ...} or {g, dense: 1}
+                                   bytes, m:<table>: IdMapDelta bytes, ...} or {g, dense: 1}
 
 Lookups of all tables of a request go out in one round trip: read-only ``GATHER`` scripts
 (``EVALSHA_RO``) that check the version still exists and ``GETRANGE`` just the rows asked for,
@@ -46,6 +51,7 @@ from redis.retry import Retry
 
 from dlrm_core.errors import ConfigError
 from dlrm_core.secrets import redact_url, scrub, url_password
+from embedding_server.idmap.view import NO_OWNER, IdMapDelta, owners_of
 from embedding_server.stores.base import (
     ServingStore,
     StoreUnavailable,
@@ -55,16 +61,28 @@ from embedding_server.stores.base import (
 )
 from embedding_server.stores.file_store import check_version_name
 from embedding_server.stores.redis_blocks import (
-    GATHER_KEYS,
     BlockBuffer,
-    absent,
     block_len,
     block_rows,
     rows_by_block,
 )
-from embedding_server.stores.redis_scripts import FORGET, GATHER, PROMOTE, UPDATE_DENSE, UPDATE_ROWS
+from embedding_server.stores.redis_idmaps import (
+    OWNER_BYTES,
+    gather_rows,
+    int64_items,
+    maybe_compact,
+    overlay_key,
+    read_id_map,
+)
+from embedding_server.stores.redis_scripts import (
+    COMPACT,
+    FORGET,
+    GATHER,
+    PROMOTE,
+    UPDATE_DENSE,
+    UPDATE_ROWS,
+)
 from embedding_server.wire import (
-    NUMPY_DTYPE,
     ModelVersion,
     decode_ids,
     decode_state,
@@ -139,6 +157,13 @@ class RedisVersionWriter(VersionWriter):
     def write_id_map(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         pair = np.stack([ids, rows]).astype("<i8")
         self._pipe.set(self.store.key("v", self.meta.version, "idmap", table), pair.tobytes())
+        spec = next(t for t in self.meta.spec.tables if t.name == table)
+        owner = owners_of(spec.rows, ids, rows).astype("<i8")
+        per_block = block_rows(OWNER_BYTES)
+        for block, start in enumerate(range(0, spec.rows, per_block)):
+            self._pipe.set(self.store.owners_key(self.meta.version, table, block),
+                           owner[start : start + per_block].tobytes())
+            self._bytes += per_block * OWNER_BYTES
 
     def commit(self) -> None:
         s, v = self.store, self.meta.version
@@ -197,7 +222,8 @@ class RedisStore(ServingStore):
         self._gather_sha = hashlib.sha1(GATHER.encode()).hexdigest()
         self._scripts = {name: client.register_script(src) for name, src, client in (
             ("PROMOTE", PROMOTE, self.client), ("FORGET", FORGET, self.client),
-            ("UPDATE_ROWS", UPDATE_ROWS, self.bulk), ("UPDATE_DENSE", UPDATE_DENSE, self.bulk))}
+            ("UPDATE_ROWS", UPDATE_ROWS, self.bulk), ("UPDATE_DENSE", UPDATE_DENSE, self.bulk),
+            ("COMPACT", COMPACT, self.bulk))}
 
     # -- helpers ------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
@@ -205,6 +231,9 @@ class RedisStore(ServingStore):
 
     def rows_key(self, version: str, table: str, block: int | str) -> str:
         return self.key("v", version, "t", table, str(block))
+
+    def owners_key(self, version: str, table: str, block: int | str) -> str:
+        return self.key("v", version, "o", table, str(block))
 
     @contextmanager
     def errors(self) -> Iterator[None]:
@@ -319,12 +348,14 @@ class RedisStore(ServingStore):
         return decode_state(raw)
 
     def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
-        with self.errors():
-            raw = self.client.get(self.key("v", version, "idmap", table))
-        if raw is None:
+        found = read_id_map(self, version, table)
+        if found is None:
             raise self._gone(version)
-        pair = np.frombuffer(raw, dtype="<i8").reshape(2, -1).astype(np.int64)
-        return pair[0], pair[1]
+        return found
+
+    def read_owners(self, version: str, table: str, rows: np.ndarray) -> np.ndarray:
+        expect = np.full(len(rows), NO_OWNER, dtype=np.int64)
+        return gather_rows(self, version, {table: rows}, {table: expect})[table][2]
 
     def get_stored_rows_many(
         self, version: str, requests: dict[str, np.ndarray]
@@ -337,31 +368,15 @@ class RedisStore(ServingStore):
                 that reads the rows: deletion removes the meta first, so rows read while it
                 still exists are the version's own, and a missing row is never a deleted one).
         """
-        meta = self.read_meta(version)
-        specs = {t.name: t for t in meta.spec.tables}
-        keys, args, shapes = [], [], []
-        for table, ids in requests.items():
-            width = row_bytes(specs[table].dim, meta.row_dtype)
-            per_block = block_rows(width)
-            blocks = (ids // per_block).tolist()
-            first = ((ids % per_block) * width).tolist()
-            base = self.rows_key(version, table, "").encode()
-            keys += [b"%s%d" % (base, b) for b in blocks]
-            args += [a for f in first for a in (f, width)]
-            shapes.append((table, len(ids), width))
-        meta_key = self.key("v", version, "meta")
-        calls = [(1 + len(keys[at : at + GATHER_KEYS]), meta_key, *keys[at : at + GATHER_KEYS],
-                  *args[2 * at : 2 * (at + GATHER_KEYS)]) for at in range(0, len(keys), GATHER_KEYS)]
-        replies = self._gather(calls)
-        if any(r is None for r in replies):
-            raise self._gone(version)
-        blob = np.frombuffer(b"".join(replies), dtype=np.uint8)
-        out, at = {}, 0
-        dtype = NUMPY_DTYPE[meta.row_dtype]
-        for table, n, width in shapes:
-            raw = blob[at : at + n * width].reshape(n, width)
-            at += n * width
-            out[table] = (raw.view(dtype).reshape(n, -1), ~absent(raw))
+        return {t: (raw, present) for t, (raw, present, _, _) in gather_rows(self, version, requests, {}).items()}
+
+    def get_checked_rows_many(
+        self, version: str, requests: dict[str, np.ndarray], expect: dict[str, np.ndarray]
+    ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Each checked row and its owner in one ``GATHER`` call: read atomically together."""
+        out = {}
+        for t, (raw, present, owner, want) in gather_rows(self, version, requests, expect).items():
+            out[t] = (raw, present, np.ones(len(raw), bool) if owner is None else (want == NO_OWNER) | (owner == want))
         return out
 
     def _gather(self, calls: list[tuple]) -> list:
@@ -390,25 +405,39 @@ class RedisStore(ServingStore):
     def _live_keys(self, version: str) -> list[str]:
         return [self.key("v", version, "meta"), self.key("v", version, "gen"), self.key("v", version, "updates")]
 
-    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
-        """One generation: every table's rows and the stream entry naming them, atomically, and
-        only while the version exists (never recreating keys of a deleted one)."""
+    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]],
+                    id_maps: dict[str, IdMapDelta] | None = None) -> None:
+        """One generation: every table's rows, dynamic tables' map entries (the overlay hashes) and
+        owners, and the stream entry naming them, atomically, and only while the version exists
+        (never recreating keys of a deleted one)."""
         meta = self.read_meta(version)
+        id_maps = id_maps or {}
         entry = [item for table, (ids, _) in updates.items() for item in (f"t:{table}".encode(), encode_ids(ids))]
-        keys, args = self._live_keys(version), [UPDATES_MAXLEN, len(entry) // 2, *entry]
+        entry += [item for table, delta in id_maps.items() for item in (f"m:{table}".encode(), delta.to_bytes())]
+        keys = self._live_keys(version) + [overlay_key(self, version, table) for table in id_maps]
+        args = [UPDATES_MAXLEN, len(entry) // 2, *entry, len(id_maps)]
+        for delta in id_maps.values():
+            args.append(len(delta))
+            args.extend(b for pair in zip(int64_items(delta.ids), int64_items(delta.rows), strict=True) for b in pair)
         specs = {t.name: t for t in meta.spec.tables}
-        for table, (ids, rows) in updates.items():
-            width = row_bytes(specs[table].dim, meta.row_dtype)
+        blocks = [(self.rows_key(version, table, ""), ids, encode_rows(rows, meta.row_dtype), specs[table].rows)
+                  for table, (ids, rows) in updates.items()]
+        blocks += [(self.owners_key(version, table, ""), d.slots, np.asarray(d.owners, "<i8"), specs[table].rows)
+                   for table, d in id_maps.items()]
+        for base, ids, enc, table_rows in blocks:
+            enc = enc.view(np.uint8).reshape(len(ids), -1)  # [n, W bytes]
+            width = enc.shape[1]
             per_block = block_rows(width)
-            enc = encode_rows(rows, meta.row_dtype).view(np.uint8).reshape(len(rows), -1)  # [n, W bytes]
             for block, pieces in rows_by_block(np.asarray(ids, np.int64), enc, per_block).items():
-                keys.append(self.rows_key(version, table, block))
-                args += [block_len(block, per_block, specs[table].rows) * width, len(pieces)]
+                keys.append(f"{base}{block}")
+                args += [block_len(block, per_block, table_rows) * width, len(pieces)]
                 args.extend(item for piece in pieces for item in piece)
         with self.errors():
             generation = self._scripts["UPDATE_ROWS"](keys=keys, args=args)
         if generation < 0:
             raise self._gone(version)
+        for table in id_maps:
+            maybe_compact(self, version, table)
 
     def update_dense(self, version: str, state: dict[str, torch.Tensor]) -> None:
         with self.errors():
@@ -462,6 +491,9 @@ def _batch(entries, seen: int, after: str, generation: int) -> UpdateBatch:
                 batch.dense_changed = True
             elif name.startswith(b"t:"):
                 rows[name[2:].decode()].append(decode_ids(value))
+            elif name.startswith(b"m:"):  # in stream order: the later change wins
+                table, delta = name[2:].decode(), IdMapDelta.from_bytes(value)
+                batch.id_maps[table] = batch.id_maps[table].then(delta) if table in batch.id_maps else delta
     if not items and generation > seen:  # every entry after ours was trimmed
         return UpdateBatch(cursor=f"{generation}:{after}", generation=generation, lost=True)
     batch.rows = {t: np.unique(np.concatenate(v)) for t, v in rows.items()}
