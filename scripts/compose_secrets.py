@@ -20,9 +20,10 @@ import sys
 from pathlib import Path
 
 READER_COMMANDS = ("get", "zrange", "zscore", "exists", "xread", "xrange", "xrevrange",
-                   "multi", "exec", "discard", "ping", "evalsha_ro", "eval_ro", "getrange")
+                   "multi", "exec", "discard", "ping", "evalsha_ro", "eval_ro", "getrange", "hgetall")
 """What a serving replica sends (api/, embedding_server/stores/redis_store.py): nothing that writes
-(``getrange``: what the read-only gather script runs; a script runs as its caller)."""
+(``getrange``: what the read-only gather script runs; a script runs as its caller; ``hgetall``:
+a dynamic table's id-map overlay, read when a version loads)."""
 
 
 def _secret(path: Path) -> str:
