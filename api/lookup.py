@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as nnf
 
+from api import inline
 from api.metrics import ServingMetrics
 from api.model import ServingModel
 from embedding_server.idmap.dynamic import shared_rows_of
@@ -22,12 +23,14 @@ from embedding_server.stores import ServingStore
 from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, dequantize_rows
 
 
-def dynamic_rows(model: ServingModel, metrics: ServingMetrics, ids: np.ndarray, offsets: np.ndarray,
+def dynamic_rows(model: ServingModel, metrics: ServingMetrics | None, ids: np.ndarray, offsets: np.ndarray,
                  batch: int, demote: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """ids int64 [N] with each dynamic table's raw ids replaced by their rows (not admitted: the
     id's shared row) -> (rows [N], the id each row must hold int64 [N], NO_OWNER where any:
-    shared rows, hashed tables; None without dynamic tables). ``demote`` (bool [N]): ids whose
-    row turned out to hold another id (a map lagging a live update): they read their shared row."""
+    shared rows, hashed tables; None without dynamic tables, or in a version without owners, whose
+    maps never change). ``demote`` (bool [N]): ids whose
+    row turned out to hold another id (a map lagging a live update): they read their shared row.
+    ``metrics``: where ids without a row are counted (None: a request's later pass, not counted)."""
     if not model.id_maps:
         return ids, None
     out = ids.copy()
@@ -47,9 +50,9 @@ def dynamic_rows(model: ServingModel, metrics: ServingMetrics, ids: np.ndarray, 
         shared = shared_rows_of(torch.from_numpy(np.ascontiguousarray(raw)), table.shared_row_count).numpy()
         out[lo:hi] = np.where(known, rows, shared)
         expect[lo:hi] = np.where(known, raw, NO_OWNER)
-        if not known.all():
+        if metrics is not None and not known.all():
             metrics.unknown_ids.labels(table=name).inc(int((~known).sum()))
-    return out, expect
+    return out, expect if model.meta.owners else None
 
 
 def _table_rows(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int):
@@ -96,6 +99,8 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
         hits[t] = hit
         if not hit.all():
             need[tables[t].name] = uniq[~hit]
+    if need:
+        inline.need_store()  # on the event loop: a row left the cache since the check (Offload)
     epochs = {name: cache.epoch(name) for name in need} if cache is not None else {}
     n_unique = sum(len(u) for u in uniques.values())
     n_need = sum(len(v) for v in need.values())
@@ -133,6 +138,10 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
     return out, stale
 
 
+STALE_PASSES = 3
+"""Lookups of a request whose dynamic rows changed hands meanwhile: the ids found stale read
+their shared row and the rest are checked again; past this many passes every id of a table still
+changing reads its shared row (which no id owns: the passes end)."""
 FEW = 16
 """One-hot requests of at most this many examples try the direct gathers below first."""
 
@@ -230,14 +239,16 @@ def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids
         return direct
     uniques, inverse, joint = _table_rows(model, ids, offsets, batch)
     rows, stale = _fetch(store, metrics, model, uniques, _expected(model, uniques, inverse, expect, offsets, batch))
-    if stale:  # rows given to other ids than this replica's map says: those ids read their shared row
-        demote = np.zeros(len(ids), bool)
-        for f, t in enumerate(model.feature_tables):
+    demote, passes = np.zeros(len(ids), bool), 1
+    while stale:  # rows given to other ids than this replica's map says: those ids read their shared row
+        for f, t in enumerate(model.feature_tables):  # (checked again: live updates go on meanwhile)
             if t in stale:
-                demote[offsets[f * batch] : offsets[(f + 1) * batch]] = stale[t][inverse[f]]
-        ids, _ = dynamic_rows(model, metrics, raw, offsets, batch, demote)
+                lo, hi = offsets[f * batch], offsets[(f + 1) * batch]
+                demote[lo:hi] |= stale[t][inverse[f]] if passes < STALE_PASSES else True
+        ids, expect = dynamic_rows(model, None, raw, offsets, batch, demote)
         uniques, inverse, joint = _table_rows(model, ids, offsets, batch)
-        rows, _ = _fetch(store, metrics, model, uniques, {})
+        rows, stale = _fetch(store, metrics, model, uniques, _expected(model, uniques, inverse, expect, offsets, batch))
+        passes += 1
     if not len(spec.categorical):
         return torch.zeros(batch, 0)
     if model.pooler is not None:  # int8 / int4: fbgemm pools the rows as stored

@@ -62,7 +62,7 @@ class ModelService:
         dynamic = [t.name for t in meta.spec.tables if t.dynamic is not None]
         id_maps = {name: IdMapView(*self.store.read_id_map(version, name)) for name in dynamic}
         mapped = [self.store.mapped_table(version, t.name) for t in meta.spec.tables]
-        owners = {name: self.store.mapped_owners(version, name) for name in dynamic}
+        owners = {name: self.store.mapped_owners(version, name) for name in dynamic} if meta.owners else None
         model = ServingModel(meta, dense, self.settings.cache_mb * 2**20, self.store.remote,
                              cursor=start.cursor, generation=start.generation, id_maps=id_maps, mapped=mapped,
                              owners=owners)

@@ -127,17 +127,22 @@ class Versions:
             log.warning("live updates of %s were trimmed before this replica read them: reloading it",
                         model.version)
             return "reload"
+        try:  # everything read before anything changes: a failed read leaves the model as it was
+            rebased = {table: IdMapView(*self.store.read_id_map(model.version, table))  # the store folded it
+                       for table in batch.maps_rebased & set(model.id_maps)}
+            dense = build_dense(model.meta, self.store.read_dense(model.version)) if batch.dense_changed else None
+        except VersionNotFound:
+            return "gone"
         if model.cache is not None:
             for table, ids in batch.rows.items():
                 model.cache.invalidate(table, ids)
         for table, delta in batch.id_maps.items():  # admitted and evicted ids (rows carry owners)
             if table in model.id_maps and table not in batch.maps_rebased:
                 model.id_maps[table].apply(delta)
-        for table in batch.maps_rebased & set(model.id_maps):  # the store folded its map: read it
-            model.id_maps[table] = IdMapView(*self.store.read_id_map(model.version, table))
+        model.id_maps.update(rebased)
         self.metrics.live_updates.inc(sum(len(ids) for ids in batch.rows.values()))
-        if batch.dense_changed:
-            model.dense = build_dense(model.meta, self.store.read_dense(model.version))
+        if dense is not None:
+            model.dense = dense
             log.info("dense weights of %s refreshed", model.version)
         if batch.generation != model.generation and batch.written_at is not None:
             self.metrics.update_lag.set(max(0.0, time.time() - batch.written_at))

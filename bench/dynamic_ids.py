@@ -6,8 +6,11 @@
    lru / lfu, the config's admission and shared rows) on the very same raw ids. A warm-up fills
    the tables; every timed step then admits new ids and evicts old ones (every batch is a fresh
    draw, none repeats). Measured in
-     (a) one process (``Trainer.train_step`` on the in-process fbgemm shard), the systems
-         interleaved over rounds, medians quoted;
+     (a) one process (``Trainer.train_step`` on the in-process fbgemm shard, each step
+         prefetching the next as ``Trainer.fit`` does: dynamic tables remap it meanwhile), the
+         systems interleaved over rounds, medians quoted; twice: the dense step on every core
+         (the remap ahead then competes with it), and on one core fewer (a core spare for the
+         remap, as beside a dense step on a GPU);
      (b) E2,T2: 2 embedding servers + 2 trainers as local processes over Gloo (as
          distributed_throughput.py launches them, --pipeline exact), one launch per system and
          round, interleaved, medians quoted.
@@ -18,7 +21,7 @@
    capacity) and the process's RSS over the stream.
 
 Usage: python bench/dynamic_ids.py [--rows 20000] [--vocab 1000000] [--steps 15] [--rounds 2]
-       [--dist-rounds 2] [--skip memory,single,dist]
+       [--dist-rounds 2] [--skip memory,single,spare,dist]
 Writes bench/results/dynamic_ids.{json,md}.
 """
 
@@ -94,24 +97,33 @@ def churn(before: dict[str, int], after: dict[str, int], steps: int, capacity: i
             "full_at_start": before["rows_used"] >= capacity}
 
 
-def single(args) -> dict:
-    """(a) One process, the systems interleaved over rounds on the same fresh batches."""
+def single(args, threads: int) -> dict:
+    """(a) One process, the systems interleaved over rounds on the same fresh batches; the dense
+    step on ``threads`` threads (every core, or one core left to the maps' remap ahead)."""
     from dense_trainer.train import Trainer
+
+    torch.set_num_threads(threads)
 
     raw, hashed = make_batches(args.vocab, args.rows, args.warmup + args.rounds * args.steps)
     trainers = {name: Trainer(bench_config(args.rows, ids), Path(tempfile.mkdtemp())) for name, ids in SYSTEMS.items()}
     data = {name: hashed if not ids else raw for name, ids in SYSTEMS.items()}
-    for name, trainer in trainers.items():  # warm-up: fill the tables
-        for i in range(args.warmup):
-            trainer.train_step(data[name][i])
+    def run(name: str, start: int, end: int, times: list[float] | None = None) -> None:
+        """Steps start..end-1, each prefetching the next as ``Trainer.fit`` does (dynamic tables
+        remap it meanwhile, ``idmap/ahead.py``; hashed: nothing to do), but the last."""
+        trainer, batches = trainers[name], data[name]
+        for i in range(start, end):
+            t0 = time.perf_counter()
+            trainer.train_step(batches[i], prefetch=batches[i + 1].sparse if i + 1 < end else None)
+            if times is not None:
+                times.append(time.perf_counter() - t0)
+
+    for name in trainers:  # warm-up: fill the tables
+        run(name, 0, args.warmup)
     before = {name: totals(t.client.id_stats()) for name, t in trainers.items()}
     times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     for r in range(args.rounds):
-        for name, trainer in trainers.items():
-            for i in range(args.warmup + r * args.steps, args.warmup + (r + 1) * args.steps):
-                t0 = time.perf_counter()
-                trainer.train_step(data[name][i])
-                times[name].append(time.perf_counter() - t0)
+        for name in trainers:
+            run(name, args.warmup + r * args.steps, args.warmup + (r + 1) * args.steps, times[name])
     out = {}
     for name, trainer in trainers.items():
         step = statistics.median(times[name])
@@ -249,17 +261,21 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of the one-process systems")
     p.add_argument("--dist-rounds", type=int, default=2, help="launches of each E2,T2 system")
     p.add_argument("--stream-ids", type=int, default=10_000_000)
-    p.add_argument("--skip", default="", help="comma-separated parts not to run: memory, single, dist")
+    p.add_argument("--skip", default="", help="comma-separated parts not to run: memory, single, spare, dist")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "vocab": args.vocab, "steps": args.steps,
-              "warmup": args.warmup, "rounds": args.rounds, "dist_rounds": args.dist_rounds, "loadavg_start": os.getloadavg()[0]}
+              "warmup": args.warmup, "rounds": args.rounds, "dist_rounds": args.dist_rounds, "loadavg_start": os.getloadavg()[0],
+              "cores": os.cpu_count()}
     if "memory" not in skip:
         result["memory"] = memory(args)
+    cores = os.cpu_count() or 1
     if "single" not in skip:
-        result["single"] = single(args)
+        result["single"] = single(args, cores)
+    if "spare" not in skip and cores > 1:
+        result["single, a core spare"] = single(args, cores - 1)
     if "dist" not in skip:
         result["E2,T2"] = distributed(args)
     result["loadavg_end"] = os.getloadavg()[0]
@@ -275,7 +291,11 @@ def render(r: dict) -> str:
              f"{r['loadavg_end']:.2f} at the end): 26 tables x {r['rows']:,} rows, dim {DIM}, batch {BATCH}, "
              f"Zipf(1.05) ids over {r['vocab']:,} values per table; {r['warmup']} warm-up steps fill the "
              f"tables, then every step admits and evicts", ""]
-    for part, label in (("single", f"one process, medians of {r['rounds']} rounds x {r['steps']} steps"),
+    cores = r.get("cores", 2)
+    for part, label in (("single", f"one process, the dense step on all {cores} cores, medians of {r['rounds']} "
+                                   f"rounds x {r['steps']} steps"),
+                        ("single, a core spare", f"one process, the dense step on {cores - 1} thread(s): a core "
+                                                 f"spare for the remap ahead, as beside a GPU dense step"),
                         ("E2,T2", f"2 servers + 2 trainers, --pipeline exact, medians of {r['dist_rounds']} "
                                   f"launches x {r['steps']} steps")):
         if part not in r:

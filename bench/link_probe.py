@@ -40,7 +40,10 @@ def main() -> None:
 
     def one_way(n: int) -> None:
         for _ in range(n):
-            dist.send(send, peer) if rank == 0 else dist.recv(recv, peer)
+            if rank == 0:
+                dist.send(send, peer)
+            else:
+                dist.recv(recv, peer)
 
     def both_ways(n: int) -> None:
         for _ in range(n):

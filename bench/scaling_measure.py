@@ -27,6 +27,7 @@ import train_throughput as tt  # noqa: E402
 
 F, D = tt.T, tt.DIM
 
+
 @dataclass
 class Costs:
     dense_s: float

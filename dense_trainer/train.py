@@ -362,6 +362,8 @@ class Trainer:
         cfg, step = self.cfg.train, self.state.step + 1
         if self.cfg.dist.pipeline == "off" or not self.client.can_prefetch:
             return None
+        if self.live is not None and self.client.plan is None:  # one process: pushes read the maps between steps
+            return None
         if nxt is None or nxt.stop or nxt.epoch != cur.epoch or (cfg.max_steps and step >= cfg.max_steps):
             return None
         if cfg.eval_every_steps and step % cfg.eval_every_steps == 0:

@@ -19,6 +19,7 @@ from torch import nn
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
 from embedding_server.client import EmbeddingClient
+from embedding_server.idmap.ahead import RemapAhead
 from embedding_server.idmap.remap import ShardIdMaps
 from embedding_server.local_table import LocalTable, init_rows
 from embedding_server.optimizers import SparseOptimizerConfig, state_shapes
@@ -103,10 +104,10 @@ class EmbeddingShard(nn.Module):
         self.seed = seed
         self.reset_parameters(seed)
         self.touched = TouchedRows([t.spec.rows for t in tables])
+        """Rows trained (what checkpoints write: ``table_snapshot.py``)."""
         self.trained_values: torch.Tensor | None = None
         """Dynamic tables: the values of the last training lookup, ids remapped to rows (what
         live updates mark)."""
-        """Rows trained (what checkpoints write: ``table_snapshot.py``)."""
         # Dynamic tables: raw ids -> rows before the kernels (admission, eviction, row resets).
         self._blocks: tuple[RowBlocks, dict[str, RowBlocks]] | None = None
         self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, self._read_rows, seed, init_scale)
@@ -153,11 +154,15 @@ class EmbeddingShard(nn.Module):
         """Order of a feature's table among the tables, by first use."""
         return list(dict.fromkeys(self.feature_map)).index(self.feature_map[feature])
 
-    def forward(self, sparse: SparseFeatures) -> torch.Tensor:
-        """Pooled embeddings of every bag: ids of F features for B examples -> float [B, sum(D_f)]."""
+    def forward(self, sparse: SparseFeatures, remapped: SparseFeatures | None = None) -> torch.Tensor:
+        """Pooled embeddings of every bag: ids of F features for B examples -> float [B, sum(D_f)].
+        ``remapped``: a training lookup's ids with dynamic tables' ids already remapped (``ahead.py``)."""
         if not self.kernels:  # a model without categorical features
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
-        if self.id_maps:  # a lookup that will be backpropagated trains: it may admit and evict
+        if remapped is not None:
+            sparse = remapped
+            self.trained_values = sparse.values
+        elif self.id_maps:  # a lookup that will be backpropagated trains: it may admit and evict
             sparse = self.id_maps.remap(sparse, train=torch.is_grad_enabled())
             if torch.is_grad_enabled():
                 self.trained_values = sparse.values
@@ -326,13 +331,32 @@ class InProcessEmbeddingClient(EmbeddingClient):
             self.feature_tables,
         )
         self.device = torch.device(device)
+        self._ahead: RemapAhead | None = None  # the next lookup's ids, remapped meanwhile
+
+    @property
+    def can_prefetch(self) -> bool:
+        """With dynamic tables on the CPU: their remap of the next batch runs during this step."""
+        return bool(self.shard.id_maps) and self.device.type == "cpu"
+
+    def prefetch(self, sparse: SparseFeatures) -> None:
+        if self.can_prefetch and torch.is_grad_enabled():
+            self._ahead = RemapAhead(self.shard.id_maps, sparse)
 
     def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            return self.shard(sparse, ahead.take(sparse))
         return self.shard(sparse.to(self.device, non_blocking=True))
+
+    def _settled(self) -> EmbeddingShard:
+        """The shard, no remap running ahead (its state is read or replaced)."""
+        if self._ahead is not None:
+            raise RuntimeError("the tables' state was read while the next batch was remapped ahead")
+        return self.shard
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Every table's weights and optimizer state, by ``<table>.<name>`` (views)."""
-        return self.shard.export_state()
+        return self._settled().export_state()
 
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`export_state` returned."""
@@ -343,6 +367,8 @@ class InProcessEmbeddingClient(EmbeddingClient):
         return self.shard.table_weights()
 
     def id_stats(self) -> dict[str, dict[str, int]]:
+        if self._ahead is not None:  # progress output between steps: the next batch's remap counted
+            self._ahead.wait()
         return self.shard.id_stats()
 
     def trained_rows(self, sparse: SparseFeatures) -> torch.Tensor:

@@ -51,6 +51,11 @@ class ModelVersion(BaseModel):
     """Per table, the embedding served for a row missing from the store (mean of trained rows)."""
     source: str = ""
     """Where it came from (checkpoint path, or ``live:<run>``)."""
+    owners: bool = False
+    """Dynamic tables' rows have their owners (the id each row holds) stored beside them, written
+    with the id maps: readers check a row against the id their map gives it (live updates move
+    ids between rows). False: a version published before owners were stored, whose maps never
+    change: nothing to check."""
     towers: dict[str, Any] | None = None
     """A compressed tower model's towers (features, c_t) and output dim D': the dense weights
     then hold the tower modules (``towers.<t>.*``) and the trainers' network (``net.*``)."""

@@ -137,3 +137,36 @@ def test_specs_before_shared_rows_keep_one_default_row_and_configs_get_shared_ro
     assert table.dynamic.shared_rows == 0 and not table.dynamic.start_from_shared and table.shared_row_count == 1
     spec = tiny_config(embedding={"ids": "dynamic"}).feature_spec()
     assert all(t.dynamic.shared_rows == 0.25 and t.dynamic.start_from_shared for t in spec.tables)
+
+
+def test_remapping_the_next_batch_ahead_equals_remapping_at_its_lookup(synth_small, tmp_path, monkeypatch):
+    """One process, pipeline exact: the maps remap batch i+1 while batch i computes, its fresh
+    rows reset at its lookup; losses, tables, optimizer state and maps equal those of lockstep
+    (pipeline off), bit for bit, with every policy and both ways of starting a fresh row."""
+    from embedding_server.idmap import ahead
+
+    from .test_train import state_of
+
+    started = []
+    init = ahead.RemapAhead.__init__
+    monkeypatch.setattr(ahead.RemapAhead, "__init__", lambda self, *a: (started.append(1), init(self, *a))[1])
+    files = ([synth_small / "train.txt"], [synth_small / "test.txt"])
+    embedding = {"ids": "dynamic", "hash_size": 300, "admit_after": 2,
+                 "tables": [{"name": "C3", "evict": "lfu"}, {"name": "C5", "evict": "ttl", "ttl_steps": 3},
+                            {"name": "C6", "start_from_shared": False}, {"name": "C4", "ids": "hashed"}]}
+    runs = {}
+    for pipeline in ("off", "exact"):
+        losses: list[float] = []
+        cfg = tiny_config(embedding=embedding, train={"batch_size": 256, "max_steps": 60}, dist={"pipeline": pipeline})
+        trainer = Trainer(cfg, tmp_path / pipeline)
+        before = len(started)
+        metrics = trainer.fit(*files, on_step=lambda step, loss, losses=losses: losses.append(loss))
+        runs[pipeline] = (losses, state_of(trainer), trainer.client.id_stats(), metrics, len(started) - before)
+    (la, sa, ia, ma, none), (lb, sb, ib, mb, ahead_runs) = runs["off"], runs["exact"]
+    assert len(la) == 60 and lb == la
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+    assert ib == ia and mb["test_auc"] == ma["test_auc"]
+    assert max(s["evicted"] for s in ia.values()) > 0  # rows were freed and given again meanwhile
+    assert none == 0 and ahead_runs > 50  # every step but the last few remapped its successor ahead
+    assert trainer.client._ahead is None  # none was left running

@@ -168,9 +168,10 @@ def served_equals_offline(url: str, client, data, run_dir, cfg) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["file", "redis"])
-def test_live_training_with_churning_ids_serves_the_final_model(backend, synth_small, tmp_path, request):
-    url = store_url(backend, tmp_path, request)
+def test_live_training_with_churning_ids_serves_the_final_model(synth_small, tmp_path, request):
+    """One process pushing to the file store (the distributed test below pushes to Redis: the two
+    runs together cover both stores and both trainers)."""
+    url = store_url("file", tmp_path, request)
     cfg = tiny_config(embedding=CHURN, train={"batch_size": 128},
                       live={"store": url, "push_every_s": 0.1, "dense_every_s": 0.5})
     trainer = Trainer(cfg, tmp_path / "run")
@@ -184,12 +185,11 @@ def test_live_training_with_churning_ids_serves_the_final_model(backend, synth_s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["file", "redis"])
-def test_distributed_live_training_with_churning_ids_serves_the_final_model(backend, synth_small, tmp_path,
-                                                                            request):
+def test_distributed_live_training_with_churning_ids_serves_the_final_model(synth_small, tmp_path, request):
+    """Two embedding servers pushing to Redis."""
     from dense_trainer.distributed import launch_local
 
-    url = store_url(backend, tmp_path, request)
+    url = store_url("redis", tmp_path, request)
     cfg = tiny_config(embedding=CHURN, train={"batch_size": 128},
                       live={"store": url, "push_every_s": 0.1, "dense_every_s": 0.5},
                       dist={"embedding_servers": 2, "trainers": 1})

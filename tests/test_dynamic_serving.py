@@ -37,6 +37,12 @@ def trained_dynamic(tmp_path_factory, criteo_sample):
     return out
 
 
+def store_url(backend: str, tmp_path, request) -> str:
+    if backend == "redis":
+        return f"{request.getfixturevalue('redis_server').url}?prefix=dyn{uuid.uuid4().hex[:6]}"
+    return f"file://{tmp_path / 'store'}"
+
+
 def offline_probabilities(out_dir, test_file) -> np.ndarray:
     trainer = Trainer(config(), out_dir / "offline-eval")
     trainer.load_checkpoint(latest_checkpoint(out_dir / "checkpoints"))
@@ -46,10 +52,7 @@ def offline_probabilities(out_dir, test_file) -> np.ndarray:
 
 @pytest.mark.parametrize("backend", ["file", "redis"])
 def test_served_dynamic_model_equals_offline_evaluation(backend, trained_dynamic, criteo_sample, tmp_path, request):
-    if backend == "redis":
-        url = f"{request.getfixturevalue('redis_server').url}?prefix=dyn{uuid.uuid4().hex[:6]}"
-    else:
-        url = f"file://{tmp_path / 'store'}"
+    url = store_url(backend, tmp_path, request)
     store = open_store(url)
     publish_checkpoint(trained_dynamic, store, version="v1")
     ids, rows = store.read_id_map("v1", "C1")
@@ -69,3 +72,44 @@ def test_served_dynamic_model_equals_offline_evaluation(backend, trained_dynamic
     unknown = [line for line in metrics.splitlines() if line.startswith('dlrm_unknown_ids_total{table="C1"}')]
     assert unknown and float(unknown[0].split()[-1]) > 0  # test ids never admitted: counted
     assert 'dlrm_unknown_ids_total{table="C2"}' not in metrics  # hashed: every row exists
+
+
+def strip_owners(store, version: str) -> None:
+    """Make ``version`` look published before owners were stored: no owners, no flag."""
+    meta = store.read_meta(version)
+    assert meta.owners
+    old = meta.model_dump_json(exclude={"owners"})
+    if store.remote:
+        for table in ("C1", "C3"):
+            keys = list(store.client.scan_iter(match=store.owners_key(version, table, "") + "*"))
+            assert keys
+            store.client.delete(*keys)
+        store.client.set(store.key("v", version, "meta"), old)
+    else:
+        owners = list((store._vdir(version) / "idmaps").glob("*.owner.npy"))
+        assert owners
+        for path in owners:
+            path.unlink()
+        (store._vdir(version) / "meta.json").write_text(old)
+
+
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_a_version_published_before_owners_were_stored_serves_the_same(backend, trained_dynamic, criteo_sample,
+                                                                       tmp_path, request):
+    """Versions of dynamic tables published before rows carried owners (their maps never change)
+    load and serve what offline evaluation computes, batched and one instance at a time."""
+    url = store_url(backend, tmp_path, request)
+    store = open_store(url)
+    publish_checkpoint(trained_dynamic, store, version="v1")
+    strip_owners(store, "v1")
+    assert not open_store(url).read_meta("v1").owners
+    expected = offline_probabilities(trained_dynamic, criteo_sample / "test.txt")
+    lines = (criteo_sample / "test.txt").read_text().splitlines(keepends=True)
+    with TestClient(create_app(Settings(store=url, poll_interval_s=0.1))) as client:
+        r = client.post("/v1/models/dlrm:predict_tsv", content="".join(lines), headers={"content-type": "text/plain"})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(np.array(r.json()["predictions"]), expected, atol=1e-5)
+        for i in (0, 7, 42):  # single requests: the direct gathers
+            r = client.post("/v1/models/dlrm:predict_tsv", content=lines[i], headers={"content-type": "text/plain"})
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(r.json()["predictions"], expected[i : i + 1], atol=1e-5)

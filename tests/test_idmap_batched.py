@@ -7,10 +7,10 @@ import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import DynamicIds, TableSpec
-from embedding_server.idmap.batched import distinct_pairs, unique_pairs
 from embedding_server.idmap.dynamic import DynamicIdMap, shared_rows_of
 from embedding_server.idmap.hash_table import IdHashTable, probe
 from embedding_server.idmap.remap import ShardIdMaps, init_for_ids, init_for_pieces
+from embedding_server.idmap.victims import RecentVictims
 from embedding_server.local_table import LocalTable
 from embedding_server.row_blocks import RowBlocks
 
@@ -179,21 +179,39 @@ def test_bucket_cache_falls_back_to_probing_when_stale():
         group._buckets_of(tables[:4], rows[:4])
 
 
-@pytest.mark.parametrize("laid_out", [True, False])
-def test_distinct_pairs_equal_unique_pairs_within_each_table(laid_out):
-    """The pairs of a lookup (by id, then table) hold, table by table, what unique_pairs gives."""
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(-50, 50, (3000,), generator=gen)  # many ids repeat, and repeat across tables
-    tables = torch.randint(0, 5, (3000,), generator=gen)
-    if laid_out:
-        tables = tables.sort().values
-    uid, ut, inverse, counts = distinct_pairs(ids, tables)
-    ref = unique_pairs(ids, tables, 5)
-    assert torch.equal(uid[inverse], ids) and torch.equal(ut[inverse], tables)
-    for t in range(5):
-        mine, theirs = ut == t, ref[1] == t
-        assert torch.equal(uid[mine], ref[0][theirs]) and torch.equal(counts[mine], ref[3][theirs])
-    assert bool((uid[1:] >= uid[:-1]).all())
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_victim_lists_choose_what_a_full_ranking_chooses(seed):
+    """lru victims read from the sorted lists are, step after step, the n smallest (last, row) of
+    the movable rows (what a top-k over every row gives), while rows are used, freed and given
+    again, lists run out and refill, and a load replaces every row's last use."""
+    gen = torch.Generator().manual_seed(seed)
+    m, r = 4, 400
+    last = torch.randint(0, 6, (m, r), generator=gen)
+    used = torch.rand(m, r, generator=gen) < 0.8
+    lists, chosen_total, refills = RecentVictims(m, r), 0, set()
+    for clock in range(6, 90):
+        if clock == 50:  # a checkpoint load: every row's last use replaced, the lists forgotten
+            last = torch.randint(0, clock, (m, r), generator=gen)
+            lists.forget()
+        top = clock - 2
+        tabs = torch.nonzero(torch.rand(m, generator=gen) < 0.7).view(-1)
+        if not tabs.numel():
+            continue
+        n = torch.randint(0, 120, (tabs.numel(),), generator=gen)
+        got_t, got_r, got_rank = lists.choose(tabs, n, last, used, top, clock)
+        refills.add(lists.built)
+        key = torch.where(used & (last <= top), last * r + torch.arange(r), 2**63 - 1)[tabs]  # [m', R]
+        vals, rows = torch.sort(key, dim=1)
+        keep = (torch.arange(r)[None, :] < n[:, None]) & (vals != 2**63 - 1)
+        assert torch.equal(got_t, tabs[:, None].expand_as(rows)[keep])
+        assert torch.equal(got_r, rows[keep])
+        assert torch.equal(got_rank, torch.arange(r).expand_as(rows)[keep])
+        chosen_total += got_r.numel()
+        used[got_t, got_r] = False  # freed ...
+        again = torch.rand(m, r, generator=gen) < 0.05  # ... and rows used or given to new ids now
+        touched = again & (used | (torch.rand(m, r, generator=gen) < 0.5))
+        last[touched], used[touched] = clock, True
+    assert chosen_total > 2000 and len(refills) > 3  # the lists ran out and refilled, not once a step
 
 
 def test_batched_rebuild_equals_each_table_rebuilt():

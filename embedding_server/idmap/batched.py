@@ -70,20 +70,6 @@ def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
     return _pairs_in_order(ids, tables, order)
 
 
-def distinct_pairs(ids: torch.Tensor, tables: torch.Tensor):
-    """Distinct (table, id) pairs sorted by id, then table -> (ids [u], tables [u], inverse [n],
-    occurrences [u]). Within a table the pairs are in id order, as :func:`unique_pairs` gives
-    them; one stable sort where ``tables`` [n] is non-decreasing (the values of a lookup are laid
-    out feature by feature)."""
-    pre = None
-    if ids.numel() > 1 and not bool((tables[1:] >= tables[:-1]).all()):
-        pre = torch.argsort(tables, stable=True)
-    order = torch.argsort(ids if pre is None else ids.index_select(0, pre), stable=True)  # equal ids: by table
-    if pre is not None:
-        order = pre.index_select(0, order)
-    return _pairs_in_order(ids, tables, order)
-
-
 def table_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
     """:func:`unique_pairs` (sorted by table, then id) by numpy's sorts on CPU: a vectorised
     unstable one by id, then a stable (radix) one by table, several times cheaper than torch's

@@ -112,6 +112,9 @@ class ShardIdMaps:
         self.map_list = [self.maps[t] for t in mine]
         number = {t: i for i, t in enumerate(mine)}
         self.map_of_feature = torch.tensor([number.get(t, -1) for t in feature_map], dtype=torch.int64)  # [F]
+        self.deferred: list[tuple[Callable, tuple]] | None = None
+        """While a remap runs ahead (``ahead.py``): the resets of its fresh rows, in order, applied
+        when its lookup comes; None: resets run as the remap makes them."""
 
     def _group(self, members: list[int], first: int, h: int, reset: RowReset, read: RowRead, seed: int,
                init_scale: float | None) -> MapGroup:
@@ -154,13 +157,23 @@ class ShardIdMaps:
         local = self.tables[members[0]]
         if local.table.dynamic.start_from_shared:
             shared = local.table.shared_row_count
-            return lambda g, rows, ids: reset(pieces[g], rows, read(pieces[g], shared_rows_of(ids, shared)))
 
-        index = torch.tensor([self.tables[t].index for t in members], dtype=torch.int64)  # [M]
-        col_start = torch.tensor([self.tables[t].col_start for t in members], dtype=torch.int64)  # [M]
-        dim, rows = local.spec.dim, local.table.rows
-        return lambda g, r, ids: reset(pieces[g], r, init_for_pieces(ids, index[g], col_start[g], dim, rows, seed,
-                                                                     init_scale))
+            def fresh(g, rows, ids):
+                reset(pieces[g], rows, read(pieces[g], shared_rows_of(ids, shared)))
+        else:
+            index = torch.tensor([self.tables[t].index for t in members], dtype=torch.int64)  # [M]
+            col_start = torch.tensor([self.tables[t].col_start for t in members], dtype=torch.int64)  # [M]
+            dim, rows = local.spec.dim, local.table.rows
+
+            def fresh(g, r, ids):
+                reset(pieces[g], r, init_for_pieces(ids, index[g], col_start[g], dim, rows, seed, init_scale))
+
+        def now_or_deferred(g, rows, ids):
+            if self.deferred is None:
+                fresh(g, rows, ids)
+            else:
+                self.deferred.append((fresh, (g, rows, ids)))
+        return now_or_deferred
 
     def __bool__(self) -> bool:
         return bool(self.maps)
@@ -180,6 +193,15 @@ class ShardIdMaps:
         values = sparse.values.clone()
         values.index_copy_(0, where, rows)
         return SparseFeatures(values, sparse.offsets, sparse.batch_size)
+
+    def remap_deferring_resets(self, sparse: SparseFeatures) -> tuple[SparseFeatures, list[tuple[Callable, tuple]]]:
+        """A training :meth:`remap` whose fresh rows are not reset yet -> (rows, the resets to
+        call, in order, once the tables may be written: ``ahead.py``)."""
+        self.deferred = []
+        try:
+            return self.remap(sparse, train=True), self.deferred
+        finally:
+            self.deferred = None
 
     def _find(self, ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Row of each id [n] in map k [n] of it, int64 [n] (-1: not admitted): one probe of every map."""

@@ -100,6 +100,7 @@ class FileVersionWriter(VersionWriter):
         (self.tmp / "idmaps").mkdir(exist_ok=True)
         np.save(self.tmp / "idmaps" / f"{table}.npy", np.stack([ids, rows]).astype(np.int64))
         np.save(self.tmp / "idmaps" / f"{table}.owner.npy", owners_of(self._dims[table][0], ids, rows))
+        self.meta.owners = True
 
     def commit(self) -> None:
         for name in self._dims:  # tables never written are all zeros
@@ -207,9 +208,10 @@ class FileStore(ServingStore):
         return arr
 
     def _id_map_parts(self, vdir: Path, table: str) -> tuple[np.ndarray, ...]:
-        """(base ids, base rows, overlay ids, overlay rows) of a dynamic table (hold the lock)."""
+        """(base ids, base rows, overlay ids, overlay rows) of a dynamic table (hold the lock). The
+        base is memory-mapped: a push or a poll reads its length, not its millions of ids."""
         try:
-            base = np.load(vdir / "idmaps" / f"{table}.npy")
+            base = np.load(vdir / "idmaps" / f"{table}.npy", mmap_mode="r")
         except FileNotFoundError:
             raise VersionNotFound(f"{self.url}: version {vdir.name!r} has no id map of table {table}",
                                   vdir.name) from None

@@ -13,11 +13,16 @@ before or both after it.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from embedding_server.idmap.view import compact_at, fold
+from embedding_server.stores.base import StoreUnavailable
 from embedding_server.stores.redis_blocks import GATHER_KEYS, absent, block_rows
 from embedding_server.wire import NUMPY_DTYPE, row_bytes
+
+log = logging.getLogger(__name__)
 
 OWNER_BYTES = 8
 """An owner as stored: the raw id, int64 little-endian."""
@@ -89,6 +94,17 @@ def gather_rows(store, version: str, requests: dict[str, np.ndarray], expect: di
         raw = np.ascontiguousarray(raw)
         out[table] = (raw.view(dtype).reshape(n, -1), ~absent(raw), owner, expect.get(table))
     return out
+
+
+def compact_after_push(store, version: str, tables: list[str]) -> None:
+    """After a push (already applied): fold the overlays grown past their bound. A fold that
+    fails is logged and tried again after the next push; the push itself stands."""
+    for table in tables:
+        try:
+            maybe_compact(store, version, table)
+        except StoreUnavailable as exc:
+            log.warning("redis store: folding the id-map overlay of %s (version %s) failed, retried after the "
+                        "next push: %s", table, version, exc)
 
 
 def maybe_compact(store, version: str, table: str) -> None:

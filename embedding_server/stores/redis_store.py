@@ -68,9 +68,9 @@ from embedding_server.stores.redis_blocks import (
 )
 from embedding_server.stores.redis_idmaps import (
     OWNER_BYTES,
+    compact_after_push,
     gather_rows,
     int64_items,
-    maybe_compact,
     overlay_key,
     read_id_map,
 )
@@ -164,6 +164,7 @@ class RedisVersionWriter(VersionWriter):
             self._pipe.set(self.store.owners_key(self.meta.version, table, block),
                            owner[start : start + per_block].tobytes())
             self._bytes += per_block * OWNER_BYTES
+        self.meta.owners = True
 
     def commit(self) -> None:
         s, v = self.store, self.meta.version
@@ -436,8 +437,7 @@ class RedisStore(ServingStore):
             generation = self._scripts["UPDATE_ROWS"](keys=keys, args=args)
         if generation < 0:
             raise self._gone(version)
-        for table in id_maps:
-            maybe_compact(self, version, table)
+        compact_after_push(self, version, list(id_maps))
 
     def update_dense(self, version: str, state: dict[str, torch.Tensor]) -> None:
         with self.errors():

@@ -1,0 +1,81 @@
+"""The next training lookup's ids remapped while the current step computes (one process).
+
+Embedding servers overlap a step's id-map work with the trainers' dense step by pipelining
+(``dist.pipeline``); a single process gets the same overlap here. When the trainer prefetches
+the next batch, a worker thread runs the maps' training remap of its ids while the current
+batch's dense forward, backward and table update run. It is exact, step for step the same as
+remapping when the lookup comes:
+
+    - the maps' decisions (which ids are admitted, which rows evicted, what every counter holds)
+      depend on the maps alone, which nothing but a training remap changes, and remaps run in
+      order (the trainer prefetches only the batch it looks up next, one at a time);
+    - the rows given to new ids are reset (fresh weights, or a copy of their shared row, and new
+      optimizer state) only when the lookup comes, after the current step's update, as a remap
+      then would have: the reset calls are deferred (``ShardIdMaps.deferred``), not their inputs.
+
+The trainer never prefetches across a checkpoint, an evaluation, an epoch's end or a stop, so
+the maps are never read for state while a remap runs ahead; live updates in one process read
+the maps between steps, so the trainer does not prefetch while they run.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from dlrm_core.batch import SparseFeatures
+from embedding_server.idmap.remap import ShardIdMaps
+
+WAIT_S = 600.0
+"""The longest a lookup waits for its remap (local compute: seconds at most; a bound, not a timing)."""
+_worker: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def worker() -> ThreadPoolExecutor:
+    """The process's one remap thread (started on first use)."""
+    global _worker
+    with _lock:
+        if _worker is None:
+            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remap-ahead",
+                                         initializer=torch.set_num_threads, initargs=(1,))
+        return _worker
+
+
+class RemapAhead:
+    """One batch's training remap, started now in the worker thread.
+
+    Args:
+        maps: the shard's id maps.
+        sparse: the next training lookup's ids (the very object the lookup will pass).
+    """
+
+    def __init__(self, maps: ShardIdMaps, sparse: SparseFeatures) -> None:
+        self.maps, self.sparse = maps, sparse
+        self.future: Future = worker().submit(maps.remap_deferring_resets, sparse)
+
+    def wait(self) -> None:
+        """Until the remap is done (its resets still pending)."""
+        self._result()
+
+    def take(self, sparse: SparseFeatures) -> SparseFeatures:
+        """The remapped ids of ``sparse`` (the prefetched batch), its fresh rows reset now.
+
+        Raises:
+            RuntimeError: ``sparse`` is not the batch prefetched.
+        """
+        if sparse is not self.sparse:
+            raise RuntimeError("a training lookup of another batch than the one remapped ahead")
+        remapped, resets = self._result()
+        for reset, args in resets:  # in the order the remap made them
+            reset(*args)
+        return remapped
+
+    def _result(self):
+        try:
+            return self.future.result(timeout=WAIT_S)
+        except FutureTimeout:
+            raise TimeoutError(f"the id maps' remap of the next batch took over {WAIT_S:.0f}s") from None
