@@ -46,11 +46,13 @@ def _bag(value, feat: CategoricalFeature) -> list[str]:
 def _rows(spec: FeatureSpec, instances: list) -> tuple[list[list], list[list]]:
     """Named or positional instances -> per example, its dense and categorical values in spec order."""
     n_dense, n_cat = len(spec.dense), len(spec.categorical)
-    index = {f.name: ("dense", j) for j, f in enumerate(spec.dense)}
-    index.update({f.name: ("categorical", j) for j, f in enumerate(spec.categorical)})
+    index = None  # feature name -> (kind, position): built for the first named instance
     dense_rows, cat_rows = [], []
     for i, inst in enumerate(instances):
         if isinstance(inst, dict):  # named
+            if index is None:
+                index = {f.name: ("dense", j) for j, f in enumerate(spec.dense)}
+                index.update({f.name: ("categorical", j) for j, f in enumerate(spec.categorical)})
             dense, cats = [None] * n_dense, [None] * n_cat
             for key, value in inst.items():
                 kind = index.get(key)

@@ -94,7 +94,7 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
     for t, uniq in uniques.items():
         rows, hit = (cache.get(tables[t].name, uniq, expect.get(t)) if cache is not None
                      else (None, np.zeros(len(uniq), bool)))
-        out[t] = rows.copy() if rows is not None else np.empty(
+        out[t] = rows if rows is not None else np.empty(  # (a gather: the cache's own copy)
             (len(uniq), len(model.stored_defaults[tables[t].name])), NUMPY_DTYPE[model.row_dtype])
         hits[t] = hit
         if not hit.all():

@@ -97,7 +97,9 @@ class DistConfig(Section):
     pipeline: Literal["off", "exact", "semi-sync"] = flag("exact", "--pipeline")
     """exact: the next batch's ids travel, and the servers look it up, while the trainers compute
     the current one (results identical to off); semi-sync: lookups do not wait for the previous
-    step's update (one step stale); off: lockstep. The hierarchical route is always lockstep."""
+    step's update (one step stale); off: lockstep. The hierarchical route is always lockstep.
+    In one process (no servers), exact and semi-sync both remap the next batch's ids of dynamic
+    tables during this step (``idmap/ahead.py``, exact either way)."""
     corrected_lookups: bool = True
     """exact: look the next batch up before the previous update and then send only the bags that
     update changed, looked up again (``correction.py``; false: wait for the update, then look up)."""
