@@ -375,6 +375,8 @@ class InProcessEmbeddingClient(EmbeddingClient):
         """The rows the last training lookup (of ``sparse``) read: its values, dynamic tables'
         ids remapped."""
         values = self.shard.trained_values
+        if values is not None and values.numel() != sparse.values.numel():
+            raise RuntimeError("trained_rows: the last training lookup was of another batch")
         return sparse.values if values is None else values
 
     def live_start(self, publish: Callable[[], str] | None) -> str:
