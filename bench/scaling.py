@@ -5,19 +5,22 @@ other benches measured on this machine, and extrapolated to a data-centre layout
 Components, measured here (``--measure``; one thread each unless said; medians of 9 runs, so
 measure on a quiet machine):
 
-    dense       the trainer's dense forward + backward + Adam, per sample (1 and 2 threads)
+    dense       the trainer's dense forward + backward + Adam, per sample (1 and 2 threads; and
+                one thread beside a twin process, gradients all-reduced between them as DDP does)
     lookup      an embedding server's fused lookup of the 26 tables, per sample
     update      its fused row-wise Adagrad update (fbgemm's backward), per sample
     correct     a corrected lookup's extra work (``exact``: changed bags, re-lookup, messages)
     client      the trainer's routing and packing of ids, assembly and gradient split, per sample
     link        point-to-point messages over loopback (Gloo): latency, CPU per message, bytes
                 per second, and CPU per byte on each side
+    cast        a bf16 exchange's casts, fp32 -> bf16 and back, per element (each side casts
+                what it sends down and what it receives up)
 
 The model of one step of global batch B over T trainers and E servers (bytes per sample at the
 analytical minimum; x_in / x_out: the busiest host link's pooled / gradient bytes over its
 rate, plus a latency):
 
-    trainer work   W_t = B/T * (dense / speedup(threads) + client) + messages * CPU per message
+    trainer work   W_t = B/T * (dense / speedup(threads) + client + cast) + messages * CPU per message
     server work    lookup, update, correct: B/E per server (per server thread)
     lockstep       W_t + lookup + update + x_in + x_out
     exact          max(W_t + overlap(x_out, update + correct) + latency, lookup + x_in)
@@ -111,9 +114,12 @@ def step_seconds(c: Costs, lay: Layout, mode: str, batch: int) -> tuple[float, s
     per_sample = c.dense_pair_s if lay.shared and lay.trainers >= 2 and lay.trainer_threads == 1 else c.dense_s / speedup
     dense = bt / lay.dense_samples_per_s if lay.dense_samples_per_s else bt * per_sample
     messages = 2 * lay.servers * lay.chunks  # a trainer's messages per direction and step
-    w_t = dense + bt * c.client_s + messages * c.message_cpu_s + (0.0 if lay.dense_samples_per_s else c.step_overhead_s)
+    cast = F * D * c.cast_s_per_element if lay.exchange_bytes < 4 else 0.0  # per sample, each side (bf16)
+    w_t = (dense + bt * (c.client_s + cast) + messages * c.message_cpu_s
+           + (0.0 if lay.dense_samples_per_s else c.step_overhead_s))
     per_server = batch / lay.servers / lay.server_threads  # examples' lookups per server thread
-    lookup, update = per_server * c.lookup_s, per_server * c.update_s
+    lookup = per_server * (c.lookup_s + cast / 2)  # the pooled vectors cast down
+    update = per_server * (c.update_s + cast / 2)  # the gradients cast up
     correct = per_server * c.correct_s if mode == "exact" else 0.0
     pooled = F * D * lay.exchange_bytes  # bytes per sample, each direction (+ ids out)
     per_host = lay.trainers / lay.trainer_hosts
@@ -144,7 +150,7 @@ def step_seconds(c: Costs, lay: Layout, mode: str, batch: int) -> tuple[float, s
             step = max(step, parts["shared CPU cores (oversubscribed)"])
         # their CPU time adds up; a 2-thread dense step holds 2 cores, a GPU's none
         threads = lay.trainer_threads if not lay.dense_samples_per_s else 0
-        cpu = (lay.trainers * (dense * threads + bt * c.client_s + messages * c.message_cpu_s)
+        cpu = (lay.trainers * (dense * threads + bt * (c.client_s + cast) + messages * c.message_cpu_s)
                + lay.servers * lay.server_threads * (lookup + update + correct) + copies)
         parts["shared CPU cores"] = cpu / lay.cores
         step = max(step, parts["shared CPU cores"])

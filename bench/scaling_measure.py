@@ -36,7 +36,7 @@ class Costs:
     """Speed-up of the dense step on two threads."""
     dense_pair_s: float
     """Seconds per sample of the one-thread dense step while another process runs it on the other
-    core (two trainers on this machine)."""
+    core, their gradients all-reduced between them as DDP does (two trainers on this machine)."""
     lookup_s: float
     """Seconds per sample of a server's fused lookup of all 26 tables, one thread."""
     update_s: float
@@ -54,6 +54,9 @@ class Costs:
     transfer_cpu_s_per_byte: float
     """CPU seconds each side (sender, receiver) spends per byte sent over Gloo (copies, system
     calls, Gloo's threads): what the exchange costs the cores it shares with the compute."""
+    cast_s_per_element: float = 0.0
+    """CPU seconds to cast one element fp32 -> bf16 plus one bf16 -> fp32 (a halved exchange: each
+    side casts what it sends down and what it receives back up), one thread."""
     step_overhead_s: float = 0.0
     """Seconds per step a CPU trainer spends beyond the components (the training loop's own
     work: loss, zero_grad, the step's bookkeeping): the one fitted term, the measured one-process
@@ -71,8 +74,10 @@ def _typical_time(fn, reps: int = 9) -> float:
     return statistics.median(times)
 
 
-def _dense_step(b: int):
-    """The trainer's dense step on a batch of ``b`` (the bench workload's model and optimizer)."""
+def _dense_step(b: int, all_reduce: bool = False):
+    """The trainer's dense step on a batch of ``b`` (the bench workload's model and optimizer);
+    ``all_reduce``: the gradients summed over the process group in one flat message before the
+    optimizer step, as DDP's one bucket (the dense model's 2 MB of gradients fit in its 25 MB)."""
     import distributed_throughput as dt
 
     from dense_trainer.model import build_dense_model
@@ -85,10 +90,19 @@ def _dense_step(b: int):
     opt = build_dense_optimizer(DenseOptimizerConfig(lr=tt.DENSE_LR), model.parameters())
     emb = torch.randn(b, F * D, requires_grad=True)
 
+    params = list(model.parameters())
+
     def step() -> None:
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, emb), y)
         opt.zero_grad()
         loss.backward()
+        if all_reduce:
+            flat = torch.cat([p.grad.view(-1) for p in params])  # [sum of parameter sizes]
+            torch.distributed.all_reduce(flat)
+            at = 0
+            for p in params:
+                p.grad.copy_(flat[at : at + p.numel()].view_as(p.grad))
+                at += p.numel()
         opt.step()
 
     return step
@@ -101,7 +115,7 @@ def _dense_twin(rank: int, port: int, b: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    step = _dense_step(b)
+    step = _dense_step(b, all_reduce=True)
     step()
     times = []
     for _ in range(9):
@@ -110,7 +124,7 @@ def _dense_twin(rank: int, port: int, b: int, out: str) -> None:
         step()
         times.append(time.perf_counter() - t0)
     if rank == 0:
-        Path(out).write_text(json.dumps(min(times)))
+        Path(out).write_text(json.dumps(statistics.median(times)))
     dist.destroy_process_group()
 
 
@@ -155,8 +169,12 @@ def measure() -> Costs:
     correct = _typical_time(_correction_work(shard, ids, torch.from_numpy(ids2_np)))
     client = _typical_time(_client_work(sparse, spec))
     latency, message_cpu, bw, cpu_per_byte = _loopback()
+    pooled = torch.randn(b, F * D)  # [B, F * D]
+    down = _typical_time(lambda: pooled.to(torch.bfloat16))
+    half = pooled.to(torch.bfloat16)
+    up = _typical_time(lambda: half.to(torch.float32))
     return Costs(one / b, one / two, pair, lookup / b, max(both - lookup, 0.0) / b, correct / b, client / b, latency,
-                 message_cpu, bw, cpu_per_byte)
+                 message_cpu, bw, cpu_per_byte, (down + up) / pooled.numel())
 
 
 def _correction_work(shard, ids: torch.Tensor, nxt: torch.Tensor):
