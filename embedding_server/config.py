@@ -107,7 +107,7 @@ class DistConfig(Section):
     """Pooled-vector and gradient messages per trainer/server pair and step (0: auto, 4 when some
     trainer and server are on different hosts, else 1): a chunk's gradients are applied, and its
     rows looked up again, while the next chunk is on the wire, so that the two directions of a
-    link overlap. Towers use 1."""
+    link overlap. Towers and the hierarchical route use 1 (more is refused with --hierarchical)."""
     heartbeat_s: float = Field(default=1.0, gt=0)
     """Seconds between a rank's heartbeats through the rendezvous store (its liveness signal)."""
     io_min_bytes_per_s: float = Field(default=20e6, gt=0)

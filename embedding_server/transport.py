@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from dlrm_core.errors import ConfigError
 from embedding_server.cluster import Cluster, Roles
 from embedding_server.exchange import Exchange
 from embedding_server.wire import ID_HEADER
@@ -217,7 +218,17 @@ def open_transport(cluster: Cluster, id_dtype: torch.dtype) -> P2PTransport | Co
 
 def exchange_chunks(requested: int, cluster: Cluster, towers: bool) -> int:
     """Messages per pair and step (``dist.exchange_chunks``): 0 picks 4 when a trainer/server pair
-    crosses hosts (overlapping the two directions of the link pays) and 1 on one host."""
+    crosses hosts (overlapping the two directions of the link pays) and 1 on one host. Towers and
+    the collective (hierarchical) route take 1: their exchanges are world-wide, one per step.
+
+    Raises:
+        ConfigError: chunks asked for with the hierarchical route.
+    """
+    if cluster.exchange is not None and cluster.exchange.hierarchical:
+        if requested > 1:
+            raise ConfigError(f"dist.exchange_chunks = {requested} with --hierarchical: the hierarchical "
+                              "all-to-all is lockstep, one exchange per step (leave exchange_chunks at 0 or 1)")
+        return 1
     if towers:
         return 1
     if requested:
