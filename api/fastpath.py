@@ -36,7 +36,6 @@ import asyncio
 import contextvars
 import inspect
 import re
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,22 +48,18 @@ from starlette.responses import Response
 from starlette.routing import compile_path
 
 from api import inline
+from dlrm_core.threads import LazyPool
 
 Handler = Callable[[object, dict[str, str], bytes, Headers], Response]
 """``(service, path parameters, body, headers) -> Response``, run off the event loop."""
 THREADS = 40
 """Threads scoring requests at once (anyio's default limit, which ``run_in_threadpool`` applies)."""
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_pool = LazyPool(THREADS, "score")
 
 
 def pool() -> ThreadPoolExecutor:
     """The process's scoring threads (started as needed, shared by every app of the process)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="score")
-        return _pool
+    return _pool.get()
 
 
 @dataclass(frozen=True)

@@ -20,29 +20,19 @@ the maps between steps, so the trainer does not prefetch while they run.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
 from dlrm_core.batch import SparseFeatures
+from dlrm_core.threads import LazyPool
 from embedding_server.idmap.remap import ShardIdMaps
 
 WAIT_S = 600.0
 """The longest a lookup waits for its remap (local compute: seconds at most; a bound, not a timing)."""
-_worker: ThreadPoolExecutor | None = None
-_lock = threading.Lock()
-
-
-def worker() -> ThreadPoolExecutor:
-    """The process's one remap thread (started on first use)."""
-    global _worker
-    with _lock:
-        if _worker is None:
-            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remap-ahead",
-                                         initializer=torch.set_num_threads, initargs=(1,))
-        return _worker
+_worker = LazyPool(1, "remap-ahead", torch.set_num_threads, (1,))
+"""The process's one remap thread (intra-op threads: one; started on first use)."""
 
 
 class RemapAhead:
@@ -55,7 +45,7 @@ class RemapAhead:
 
     def __init__(self, maps: ShardIdMaps, sparse: SparseFeatures) -> None:
         self.maps, self.sparse = maps, sparse
-        self.future: Future = worker().submit(maps.remap_deferring_resets, sparse)
+        self.future: Future = _worker.get().submit(maps.remap_deferring_resets, sparse)
 
     def wait(self) -> None:
         """Until the remap is done (its resets still pending)."""
