@@ -57,6 +57,14 @@ class LivePublisher:
     def failures(self) -> int:
         return sum(p.failures for p in (self.rows, self._dense) if p is not None)
 
+    def stats(self, servers: list[dict[str, int]] = ()) -> dict[str, object]:
+        """``metrics.json``'s ``live_updates``: the version pushed to and, summed over this
+        process's pushers and the embedding servers' (``servers``: their :meth:`LivePusher.stats`),
+        pushes, rows pushed, id-map changes, failed pushes and overlay compactions."""
+        parts = [p.stats() for p in {id(p): p for p in (self.rows, self._dense) if p is not None}.values()]
+        total = {k: sum(part[k] for part in [*parts, *servers]) for k in LivePusher.STATS}
+        return {"version": self.version, "store": self.store.url, **total}
+
     def _name(self) -> str:
         return f"live-{time.strftime('%Y%m%d-%H%M%S')}-step{self.trainer.state.step}-{uuid.uuid4().hex[:6]}"
 
@@ -68,8 +76,7 @@ class LivePublisher:
             embedding_dim=t.cfg.embedding.dim, source="live training",
         )
         weights = t.client.export_state()
-        shard = t.client.shard
-        id_rows = shard.id_maps.id_rows() if shard.id_maps else {}
+        id_rows = t.client.id_rows()
         with self.store.begin(meta) as writer:
             for table in self.spec.tables:
                 w = weights[f"{table.name}.weight"]
@@ -84,7 +91,7 @@ class LivePublisher:
         self.rows = LivePusher(
             self.store, self.version, [(t.name, 0, t.rows) for t in self.spec.tables],
             lambda: [self.trainer.client.table_weights()[n] for n in names], self.push_every_s,
-            owners=shard.id_owners if shard.id_maps else None,
+            owners=t.client.id_owners if id_rows else None,
         )
         self._dense = self.rows
         log.info("live updates: published %s to %s; pushing rows every %.1fs", self.version, self.store.url, self.push_every_s)

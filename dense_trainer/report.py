@@ -73,6 +73,9 @@ def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
         metrics.update(cluster_metrics(cluster_stats, sum(trainer.client.output_dims()), len(trainer.spec.tables), s))
     servers = [r.get("ids", {}) for r in (cluster_stats or {}).get("ranks", []) if "server" in r]
     metrics.update(id_metrics({k: v for part in [trainer.client.id_stats(), *servers] for k, v in part.items()}))
+    if trainer.live is not None:
+        metrics["live_updates"] = trainer.live.stats([r["live"] for r in (cluster_stats or {}).get("ranks", [])
+                                                      if "live" in r])
     if not trainer.is_master:
         return metrics
     (trainer.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

@@ -245,11 +245,20 @@ def _bags(values: pa.Array, sep: str | None) -> tuple[pa.Array, np.ndarray, np.n
     return flat, rows, np.bincount(rows, minlength=n).astype(np.int32)
 
 
+RESERVED_ID = -(1 << 63)
+"""The one 64-bit key no dynamic table holds: the id maps' and published owner maps' "no id" mark
+(``NO_OWNER``). A raw id of these 64 bits (2^63 unsigned) is read as its neighbour ``RESERVED_ID + 1``
+by every featurizing path, so the two share a row (the only two ids that ever do)."""
+
+
 def to_rows(ids: np.ndarray, rows: int | None) -> np.ndarray:
     """Row of each 64-bit id in a table of ``rows`` rows: ``id % rows`` (int64); ``rows`` None
-    (a dynamic table): the raw id itself, its 64 bits as int64 (the table's id map finds the row)."""
+    (a dynamic table): the raw id itself, its 64 bits as int64 (the table's id map finds the row;
+    ``RESERVED_ID`` read as ``RESERVED_ID + 1``)."""
     if rows is None:
-        return ids.astype(np.uint64, copy=False).view(np.int64)
+        keys = ids.astype(np.uint64, copy=False).view(np.int64)
+        reserved = keys == RESERVED_ID
+        return np.where(reserved, RESERVED_ID + 1, keys) if reserved.any() else keys
     return (ids.astype(np.uint64, copy=False) % np.uint64(rows)).astype(np.int64)
 
 

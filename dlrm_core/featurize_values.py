@@ -20,7 +20,7 @@ import re
 import numpy as np
 import pyarrow as pa
 
-from dlrm_core.featurize import hash_strings, transform_dense_block
+from dlrm_core.featurize import RESERVED_ID, hash_strings, transform_dense_block
 from dlrm_core.schema import FeatureSpec
 
 MAX_EXAMPLES = 16
@@ -111,5 +111,8 @@ class ValueFeaturizer:
         for f, rows in enumerate(self.rows):  # row id % rows; a dynamic table: the raw id as int64
             for k in range(f * n, (f + 1) * n):
                 v = out[k] & _U64
-                out[k] = v % rows if rows is not None else (v - (1 << 64) if v >> 63 else v)
+                if rows is not None:
+                    out[k] = v % rows
+                else:  # the 64 bits as int64; RESERVED_ID read as its neighbour (dlrm_core/featurize.py)
+                    out[k] = v if v < 1 << 63 else (v - (1 << 64) if v != 1 << 63 else RESERVED_ID + 1)
         return np.array(out, dtype=np.int64)

@@ -100,6 +100,15 @@ class LivePusher:
         self._owners = now
         return out
 
+    STATS = ("pushes", "rows_pushed", "id_map_changes", "failures", "overlay_compactions")
+    """The keys of :meth:`stats`."""
+
+    def stats(self) -> dict[str, int]:
+        """What this pusher did: pushes that landed, rows pushed, id-map entries pushed (admissions
+        and evictions), failed pushes (retried with the next), overlays its store folded."""
+        return dict(zip(self.STATS, (self.pushes, self.rows_pushed, self.map_changes, self.failures,
+                                     self.store.compactions), strict=True))
+
     def mark(self, piece: int, local_ids: np.ndarray) -> None:
         self.dirty[piece][local_ids] = True
 

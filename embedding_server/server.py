@@ -205,7 +205,9 @@ class EmbeddingServer:
                 if self.live is not None:
                     self.live.close()
                 ids = self.shard.id_stats() if self.shard is not None else {}
-                return {"server": self.index, "steps": self.steps, "ids": ids, **self.timings, **self.transport.stats}
+                live = {"live": self.live.stats()} if self.live is not None else {}
+                return {"server": self.index, "steps": self.steps, "ids": ids, **live, **self.timings,
+                        **self.transport.stats}
             if command == Command.LIVE_START:
                 holder = [None]  # the version the master publishes now (it may take minutes)
                 dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)

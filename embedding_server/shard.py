@@ -159,14 +159,14 @@ class EmbeddingShard(nn.Module):
         ``remapped``: a training lookup's ids with dynamic tables' ids already remapped (``ahead.py``)."""
         if not self.kernels:  # a model without categorical features
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
+        training = torch.is_grad_enabled()  # a lookup that will be backpropagated trains
         if remapped is not None:
             sparse = remapped
-            self.trained_values = sparse.values
-        elif self.id_maps:  # a lookup that will be backpropagated trains: it may admit and evict
-            sparse = self.id_maps.remap(sparse, train=torch.is_grad_enabled())
-            if torch.is_grad_enabled():
-                self.trained_values = sparse.values
-        if torch.is_grad_enabled():  # a training lookup: its rows are updated on backward
+        elif self.id_maps:  # a training lookup may admit and evict
+            sparse = self.id_maps.remap(sparse, train=training)
+        if self.id_maps and training:
+            self.trained_values = sparse.values  # the rows it trains (live updates mark them)
+        if training:  # its rows are updated on backward
             for f, piece in enumerate(self.feature_map):
                 self.touched.mark(piece, sparse.feature_values(f)[0].cpu())
         if len(self.kernels) == 1 and self._unpermute is None:  # one kernel, features in order
@@ -360,11 +360,20 @@ class InProcessEmbeddingClient(EmbeddingClient):
 
     def import_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`export_state` returned."""
-        self.shard.import_state(state)
+        self._settled().import_state(state)
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """Each table's weights (views), by name: what live updates push."""
-        return self.shard.table_weights()
+        return self._settled().table_weights()
+
+    def id_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per dynamic table: (admitted ids sorted, their rows); empty without dynamic tables."""
+        maps = self._settled().id_maps
+        return maps.id_rows() if maps else {}
+
+    def id_owners(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per dynamic table: (row_id int64 [R], used bool [R]) views, the id each row holds."""
+        return self._settled().id_owners()
 
     def id_stats(self) -> dict[str, dict[str, int]]:
         if self._ahead is not None:  # progress output between steps: the next batch's remap counted
@@ -388,12 +397,12 @@ class InProcessEmbeddingClient(EmbeddingClient):
         process's writer."""
         if cut.taken:
             return {}, {}
-        files, record = snapshot_tables(self.shard, cut.base_step, "embeddings")
+        files, record = snapshot_tables(self._settled(), cut.base_step, "embeddings")
         self.shard.touched.close_cut(cut.step)
         return files, record
 
     def restore(self, checkpoint: Path) -> None:
-        CheckpointTables(checkpoint).load_into(self.shard)
+        CheckpointTables(checkpoint).load_into(self._settled())
 
     @property
     def kernel(self) -> str:

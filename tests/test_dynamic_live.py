@@ -177,8 +177,10 @@ def test_live_training_with_churning_ids_serves_the_final_model(synth_small, tmp
     trainer = Trainer(cfg, tmp_path / "run")
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.05))) as client:
         trainer.fit([synth_small / "train.txt"], [synth_small / "test.txt"])
-        assert trainer.live.failures == 0 and trainer.live.rows.map_changes > 0
-        assert trainer.live.store.compactions > 0  # overlays were folded into their base meanwhile
+        live = json.loads((tmp_path / "run" / "metrics.json").read_text())["live_updates"]
+        assert live["version"] == trainer.live.version and live["failures"] == 0 and live["pushes"] >= 3
+        assert live["id_map_changes"] > 0 and live["rows_pushed"] > 0
+        assert live["overlay_compactions"] > 0  # overlays were folded into their base meanwhile
         stats = trainer.client.id_stats()
         assert stats["C1"]["evicted"] > 0 and stats["C1"]["admitted"] > stats["C1"]["evicted"]
         served_equals_offline(url, client, synth_small, tmp_path / "run", cfg)
@@ -197,4 +199,7 @@ def test_distributed_live_training_with_churning_ids_serves_the_final_model(synt
         launch_local(cfg, [synth_small / "train.txt"], [synth_small / "test.txt"], tmp_path / "run", resume=False)
         written = json.loads((tmp_path / "run" / "metrics.json").read_text())
         assert written["embedding_ids_evicted"]["C1"] > 0  # ids churned while the servers pushed
+        live = written["live_updates"]  # the master's dense pushes and both servers' row pushes
+        assert live["failures"] == 0 and live["id_map_changes"] > 0 and live["rows_pushed"] > 0
+        assert live["overlay_compactions"] > 0
         served_equals_offline(url, client, synth_small, tmp_path / "run", cfg)

@@ -51,6 +51,27 @@ def test_a_plus_sign_on_an_int_value_is_read():  # "+0" once raised inside arrow
     assert ok.tolist() == [True, True, False] and ids.tolist()[:2] == [0, 12]
 
 
+DYNAMIC = build_spec([DenseFeature(kind="dense", name="x"),
+                      CategoricalFeature(kind="categorical", name="ad", encoding="hex"),
+                      CategoricalFeature(kind="categorical", name="n", encoding="int")],
+                     "csv", label="click", columns=["click", "x", "ad", "n"],
+                     table_defaults={"dim": 4, "hash_size": 100, "ids": "dynamic"})
+
+
+@pytest.mark.parametrize("ad", ["8000000000000000", "8000000000000001"])
+def test_no_raw_id_is_the_owner_maps_none_mark(ad):
+    """The 64 bits of NO_OWNER (2^63 unsigned) key no dynamic row: read as the next id, by both paths."""
+    from embedding_server.idmap.view import NO_OWNER
+
+    column, values = Featurizer(DYNAMIC, with_label=False), ValueFeaturizer(DYNAMIC)
+    assert values([[1.0]], [[ad], ["5"]], 1)[1].tolist() == [NO_OWNER + 1, 5]  # the value path takes it
+    for sparse in ([ad, "5"], ["0", str(NO_OWNER)]):
+        inst = _positional({"dense": [1.0], "sparse": sparse})
+        expected = [NO_OWNER + 1, 5] if sparse[1] == "5" else [0, NO_OWNER + 1]
+        assert featurize_instances(DYNAMIC, column, [inst])[1].tolist() == expected
+        assert featurize_instances(DYNAMIC, column, [inst], values)[1].tolist() == expected
+
+
 def _positional(inst):
     from api.schemas import PositionalInstance
 

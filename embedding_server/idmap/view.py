@@ -23,9 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NO_OWNER = -(1 << 63)
-"""Owner of a slot that holds no admitted id (a shared row, a free row); any raw id but this one
-can be admitted (a Redis owner never written reads as -1, another id's)."""
+from dlrm_core.featurize import RESERVED_ID
+
+NO_OWNER = RESERVED_ID
+"""Owner of a slot that holds no admitted id (a shared row, a free row). No raw id is ever this
+one: featurizing reads those 64 bits as the next id (``dlrm_core.featurize.RESERVED_ID``), so a
+key never passes for "none" (a Redis owner never written reads as -1, another id's)."""
 
 
 @dataclass
