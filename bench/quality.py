@@ -166,30 +166,63 @@ def own_part(args, quiet: list[dict]) -> dict:
     return results
 
 
+def criteo_folds(args) -> list[tuple[Path, Path]]:
+    """The Criteo sample's splits: ``--ids-folds`` 1, its own (8,000 / 2,000 rows); K > 1, K folds
+    of its 10,000 rows (a fixed shuffle; fold k tests, the rest train, in file order)."""
+    train, test = args.criteo / "train.txt", args.criteo / "test.txt"
+    if args.ids_folds <= 1 or not train.exists():
+        return [(train, test)]
+    lines = train.read_bytes().splitlines(keepends=True) + test.read_bytes().splitlines(keepends=True)
+    fold = np.random.default_rng(0).permutation(len(lines)) % args.ids_folds  # [rows] each row's fold
+    out = []
+    for k in range(args.ids_folds):
+        d = args.work / f"criteo-fold{k}of{args.ids_folds}"
+        d.mkdir(parents=True, exist_ok=True)
+        for name, keep in (("train.txt", fold != k), ("test.txt", fold == k)):
+            (d / name).write_bytes(b"".join(line for line, take in zip(lines, keep, strict=True) if take))
+        out.append((d / "train.txt", d / "test.txt"))
+    return out
+
+
+def paired(runs: list[dict], base: list[dict]) -> dict:
+    """Mean and standard error of ``runs`` minus ``base`` test AUC, run by run (same split, same seed)."""
+    d = np.array([r["test_auc"] - b["test_auc"] for r, b in zip(runs, base, strict=True)])
+    return {"vs_hashed": float(d.mean()), "vs_hashed_se": float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else None}
+
+
 def ids_part(args, quiet: list[dict]) -> dict:
-    """Hashed vs dynamic ids at equal rows: the AUC-vs-rows curve (mean of ``--seeds`` seeds)."""
+    """Hashed vs dynamic ids at equal rows: the AUC-vs-rows curve (mean over ``--seeds`` seeds,
+    and on the Criteo sample over ``--ids-folds`` splits), dynamic's paired difference beside."""
     data = args.work / f"ids-{args.ids_rows}-zipf{args.ids_zipf}"
     if "generated" in args.ids_data and not (data / "bayes.json").exists():
         print(f"generating {args.ids_rows:,} rows (zipf {args.ids_zipf}) into {data}", file=sys.stderr)
         synthesize(data, args.ids_rows, args.synth_test_rows, seed=0, zipf=args.ids_zipf)
     dynamic = {"ids": "dynamic", "admit_after": args.admit_after, "evict": args.evict, "shared_rows": args.shared_rows}
-    sets = {f"generated-{args.ids_rows // 1000}k, zipf {args.ids_zipf}": (data / "train.txt", data / "test.txt"),
-            "criteo-sample": (args.criteo / "train.txt", args.criteo / "test.txt")}
+    folds = f", {args.ids_folds} folds" if args.ids_folds > 1 else ""
+    sets = {f"generated-{args.ids_rows // 1000}k, zipf {args.ids_zipf}": [(data / "train.txt", data / "test.txt")]}
+    if "criteo" in args.ids_data:
+        sets[f"criteo-sample{folds}"] = criteo_folds(args)
     results = {}
-    for name, (train, test) in sets.items():
-        if not train.exists() or not any(name.startswith(s) for s in args.ids_data.split(",")):
+    for name, splits in sets.items():
+        if not splits[0][0].exists() or not any(name.startswith(s) for s in args.ids_data.split(",")):
             continue
         row = {}
         for rows in [int(c) for c in args.capacities.split(",")] + [args.unlimited]:
             modes = ("hashed", "dynamic") if rows != args.unlimited else ("hashed",)
+            hashed = []
             for mode in modes:
                 extra = {"embedding": {"hash_size": rows, **(dynamic if mode == "dynamic" else {})}}
                 runs = []
-                for seed in range(args.seeds):
-                    print(f"{name}: {mode}, {rows} rows, seed {seed}", file=sys.stderr, flush=True)
-                    runs.append(run_ours(load_config(None, quiet + [extra, {"train": {"seed": seed}}]), train, test))
+                for split, (train, test) in enumerate(splits):
+                    for seed in range(args.seeds):
+                        print(f"{name}: {mode}, {rows} rows, split {split}, seed {seed}", file=sys.stderr, flush=True)
+                        runs.append(run_ours(load_config(None, quiet + [extra, {"train": {"seed": seed}}]), train, test))
                 label = f"{mode}, {rows:,} rows per table" + (" (uncapped)" if rows == args.unlimited else "")
                 row[label] = {**mean_of(runs), "rows": rows, "mode": mode}
+                if mode == "hashed":
+                    hashed = runs
+                else:
+                    row[label].update(paired(runs, hashed))
         results[f"ids: {name}"] = row
     return results
 
@@ -208,6 +241,8 @@ def main() -> None:
     p.add_argument("--evict", default="lfu", help="ids part: dynamic tables' eviction policy")
     p.add_argument("--shared-rows", type=float, default=0.25, help="ids part: dynamic tables' shared_rows")
     p.add_argument("--ids-data", default="generated,criteo", help="ids part: data sets (generated, criteo)")
+    p.add_argument("--ids-folds", type=int, default=1,
+                   help="ids part: Criteo sample splits (1: its own; K: K-fold over its 10,000 rows)")
     p.add_argument("--criteo", type=Path, default=REPO.parent / "shared" / "data" / "criteo-wideresdnn")
     p.add_argument("--avazu", type=Path, default=REPO.parent / "shared" / "data" / "avazu-wideresdnn")
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench")
@@ -243,6 +278,8 @@ def render(out: dict) -> str:
         for system, r in rows.items():
             sps = f"{r['train_samples_per_s']:,.0f}" if "train_samples_per_s" in r else "-"
             seeds = f" (seeds: {', '.join(map(str, r['seeds']))})" if "seeds" in r else ""
+            if r.get("vs_hashed_se") is not None:
+                seeds += f"; paired vs hashed {r['vs_hashed']:+.4f} (standard error {r['vs_hashed_se']:.4f})"
             lines.append(f"| {data} | {system}{seeds} | {r['test_auc']:.4f} | {r['test_logloss']:.4f} | {sps} |")
     return "\n".join(lines) + "\n"
 
