@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 from dense_trainer.config import Config, load_config, prepare_config
-from dense_trainer.report import format_metrics
 from dlrm_core.config import add_config_flags, flag_overrides, parse_override
 from dlrm_core.env import fill_from_env
 from dlrm_core.errors import ConfigError
@@ -59,22 +58,29 @@ def config_from_args(args: argparse.Namespace, required: tuple[str, ...] = ()) -
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from dense_trainer.train import Trainer, prepare_out_dir  # deferred: `dlrm --help` stays fast
-
     cfg = config_from_args(args, ("train", "test", "out"))
     if cfg.dist.towers and not cfg.dist.embedding_servers:
         raise ConfigError("--towers needs --embedding-servers: the tower modules run on them (one server per tower at least)")
-    # Cheap checks before the tables are allocated: files open, the schema's columns are there.
+    distributed = cfg.dist.embedding_servers or cfg.dist.trainers > 1
+    if distributed and not cfg.dist.embedding_servers:
+        raise ConfigError("--trainers > 1 needs --embedding-servers (the tables live on them)")
+    if distributed:
+        from dense_trainer.rank_context import rank_context
+
+        rank_context(start=True)  # the ranks' fork server imports torch while this process checks
+    # Cheap checks before torch loads and the tables are allocated: files open, the schema's
+    # columns are there (bad flags, configs and files are refused in a fraction of a second).
     check_files(args.train, "training")
     check_files(args.test, "test")
     cfg = prepare_config(cfg, args.train)
     InputReader(cfg.feature_spec(), list(args.train) + list(args.test)).check()
+    from dense_trainer.report import format_metrics
+    from dense_trainer.train import Trainer, prepare_out_dir
+
     prepare_out_dir(args.out)
-    if cfg.dist.embedding_servers or cfg.dist.trainers > 1:
+    if distributed:
         from dense_trainer.distributed import launch_local, make_plan
 
-        if not cfg.dist.embedding_servers:
-            raise ConfigError("--trainers > 1 needs --embedding-servers (the tables live on them)")
         plan = make_plan(cfg, args.train)  # refuse a model that cannot fit before starting anything
         metrics = launch_local(cfg, args.train, args.test, args.out, args.resume, plan)
     else:
@@ -106,6 +112,8 @@ def run_worker_cli(args: argparse.Namespace) -> int:
         raise ConfigError("dlrm worker: RANK is not set (launch it with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
     metrics = run_worker(rank, cfg, args.train, args.test, args.out, args.resume)
     if metrics is not None:
+        from dense_trainer.report import format_metrics
+
         print(format_metrics(metrics))
     return 0
 

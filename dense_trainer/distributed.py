@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dense_trainer.checkpointing import FAULT_FILE, storage_rate
 from dense_trainer.config import Config
 from dense_trainer.data.loader import BatchLoader
+from dense_trainer.rank_context import rank_context
 from dlrm_core.errors import ConfigError, DlrmError
 from dlrm_core.logs import setup_logging
 from embedding_server.checkpoint import latest_checkpoint
@@ -208,7 +208,12 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
 
 
 def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: int, result_path: str,
-           plan_json: str) -> None:
+           plan_json: str, env: dict[str, str], cwd: str) -> None:
+    # Forked from the fork server, which started with the launcher's first job: take the
+    # launcher's environment and directory as they are now, as a spawned process would.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank))
     os.environ[SUPERVISED_ENV] = "1"  # the launcher watches every rank's beat
     cfg = Config.model_validate_json(cfg_json)
@@ -308,13 +313,13 @@ def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, re
     result.unlink(missing_ok=True)
     store = dist.TCPStore(cfg.dist.master_addr, port, roles.world_size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg.dist.join_timeout_s))
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     procs = []
     for rank in range(roles.world_size):
         p = ctx.Process(
             target=_child, name=roles.describe(rank),
             args=(rank, cfg.model_dump_json(), [str(f) for f in train], [str(f) for f in test], str(out), resume,
-                  cfg.dist.master_addr, port, str(result), plan.model_dump_json()),
+                  cfg.dist.master_addr, port, str(result), plan.model_dump_json(), dict(os.environ), os.getcwd()),
         )
         p.start()
         procs.append(p)

@@ -12,25 +12,17 @@ first, and only rows that occur in the batch are touched (lazy state, as in Torc
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-
-class DenseOptimizerConfig(BaseModel):
-    """Optimizer of the dense parameters (MLPs and interaction; tower modules on the servers)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
-
-    kind: Literal["adam", "adagrad", "sgd"] = "adam"
-    """adam, adagrad or sgd."""
-    lr: float = Field(default=3e-3, gt=0)
-    """Learning rate of the dense parameters."""
-    weight_decay: float = Field(default=0.0, ge=0)
-    """L2 weight decay of the dense parameters."""
-    eps: float = Field(default=1e-8, gt=0)
-    """Denominator epsilon of Adam/Adagrad."""
+from embedding_server.optimizer_config import (  # noqa: F401 (the optimizers' settings, re-exported)
+    DenseOptimizerConfig,
+    SparseOptimizerConfig,
+    SparseOptimizerKind,
+    state_bytes_per_row,
+    state_shapes,
+)
 
 
 def build_dense_optimizer(cfg: DenseOptimizerConfig, params) -> torch.optim.Optimizer | None:
@@ -46,45 +38,6 @@ def build_dense_optimizer(cfg: DenseOptimizerConfig, params) -> torch.optim.Opti
         return cls(params, fused=True, **kwargs)
     except (RuntimeError, TypeError):  # no fused kernel for this device/dtype
         return cls(params, foreach=True, **kwargs)
-
-
-SparseOptimizerKind = Literal["rowwise_adagrad", "adagrad", "adam", "sgd"]
-
-
-class SparseOptimizerConfig(BaseModel):
-    """The optimizer that embedding shards apply to their rows in backward."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    kind: SparseOptimizerKind = "rowwise_adagrad"
-    """rowwise_adagrad (one accumulator per row: 4 bytes/row of state, the DLRM default),
-    adagrad (one per element), adam (two per element) or sgd (no state)."""
-    lr: float = Field(default=0.2, gt=0)
-    """Learning rate of the embedding rows."""
-    eps: float = Field(default=1e-8, gt=0)
-    """Denominator epsilon of Adagrad/Adam."""
-    initial_accumulator: float = Field(default=1e-4, ge=0)
-    """Starting value of the (row-wise) Adagrad accumulators, as Keras/TF Adagrad's
-    ``initial_accumulator_value``: damps the first, noisiest updates of rarely seen rows."""
-    beta1: float = Field(default=0.9, ge=0, lt=1)
-    """Adam's first-moment decay."""
-    beta2: float = Field(default=0.999, ge=0, lt=1)
-    """Adam's second-moment decay."""
-
-
-def state_shapes(kind: SparseOptimizerKind, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the optimizer state of one table."""
-    if kind == "rowwise_adagrad":
-        return {"momentum1": (rows,)}
-    if kind == "adagrad":
-        return {"momentum1": (rows, dim)}
-    if kind == "adam":
-        return {"exp_avg": (rows, dim), "exp_avg_sq": (rows, dim)}
-    return {}
-
-
-def state_bytes_per_row(kind: SparseOptimizerKind, dim: int) -> int:
-    return 4 * sum(int(torch.Size(s[1:]).numel()) for s in state_shapes(kind, 1, dim).values())
 
 
 @torch.no_grad()
