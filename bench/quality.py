@@ -197,7 +197,9 @@ def ids_part(args, quiet: list[dict]) -> dict:
     if "generated" in args.ids_data and not (data / "bayes.json").exists():
         print(f"generating {args.ids_rows:,} rows (zipf {args.ids_zipf}) into {data}", file=sys.stderr)
         synthesize(data, args.ids_rows, args.synth_test_rows, seed=0, zipf=args.ids_zipf)
-    dynamic = {"ids": "dynamic", "admit_after": args.admit_after, "evict": args.evict, "shared_rows": args.shared_rows}
+    dynamic = {"ids": "dynamic", "admit_after": args.admit_after, "evict": args.evict}
+    if args.shared_rows is not None:
+        dynamic["shared_rows"] = args.shared_rows
     folds = f", {args.ids_folds} folds" if args.ids_folds > 1 else ""
     sets = {f"generated-{args.ids_rows // 1000}k, zipf {args.ids_zipf}": [(data / "train.txt", data / "test.txt")]}
     if "criteo" in args.ids_data:
@@ -239,7 +241,8 @@ def main() -> None:
     p.add_argument("--unlimited", type=int, default=100_000, help="ids part: uncapped rows (the largest vocabulary)")
     p.add_argument("--admit-after", type=int, default=1, help="ids part: dynamic tables' admit_after")
     p.add_argument("--evict", default="lfu", help="ids part: dynamic tables' eviction policy")
-    p.add_argument("--shared-rows", type=float, default=0.25, help="ids part: dynamic tables' shared_rows")
+    p.add_argument("--shared-rows", type=float, default=None,
+                   help="ids part: dynamic tables' shared_rows (default: the config's)")
     p.add_argument("--ids-data", default="generated,criteo", help="ids part: data sets (generated, criteo)")
     p.add_argument("--ids-folds", type=int, default=1,
                    help="ids part: Criteo sample splits (1: its own; K: K-fold over its 10,000 rows)")

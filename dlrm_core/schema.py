@@ -99,7 +99,7 @@ class DynamicIds(BaseModel):
     hash(id) % S, S = max(1, int(shared_rows * rows)); 0: one shared row (row 0). The rest are
     the capacity for admitted ids. The default here is what a spec written before this field
     existed means (published versions, checkpoints); configs set ``[embedding] shared_rows``,
-    0.25 unless said."""
+    0.1 unless said."""
     start_from_shared: bool = False
     """An admitted id's fresh row starts as a copy of its shared row (what the id read until
     then); False: uniform(+-init bound) from a hash of (seed, table, id). Its optimizer state

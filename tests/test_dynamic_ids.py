@@ -25,7 +25,7 @@ def test_config_switches_every_table_and_overrides_per_table():
     spec = tiny_config(embedding={"ids": "dynamic", "admit_after": 3, "hash_size": 500,
                                   "tables": [{"name": "C2", "ids": "hashed"}, {"name": "C3", "evict": "lfu"}]}).feature_spec()
     by_name = {t.name: t for t in spec.tables}
-    assert by_name["C1"].dynamic == DynamicIds(admit_after=3, evict="lru", shared_rows=0.25, start_from_shared=True)
+    assert by_name["C1"].dynamic == DynamicIds(admit_after=3, evict="lru", shared_rows=0.1, start_from_shared=True)
     assert by_name["C2"].dynamic is None and by_name["C2"].ids == "hashed"
     assert by_name["C3"].dynamic.evict == "lfu" and by_name["C3"].rows == 500  # capacity = rows
     assert all(t.dynamic is None for t in tiny_config().feature_spec().tables)  # default: hashed
@@ -136,7 +136,7 @@ def test_specs_before_shared_rows_keep_one_default_row_and_configs_get_shared_ro
     table = TableSpec.model_validate_json(json.dumps(old))
     assert table.dynamic.shared_rows == 0 and not table.dynamic.start_from_shared and table.shared_row_count == 1
     spec = tiny_config(embedding={"ids": "dynamic"}).feature_spec()
-    assert all(t.dynamic.shared_rows == 0.25 and t.dynamic.start_from_shared for t in spec.tables)
+    assert all(t.dynamic.shared_rows == 0.1 and t.dynamic.start_from_shared for t in spec.tables)
 
 
 def test_remapping_the_next_batch_ahead_equals_remapping_at_its_lookup(synth_small, tmp_path, monkeypatch):
