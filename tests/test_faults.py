@@ -45,12 +45,12 @@ def train(data: Path, out: Path, *extra: str) -> subprocess.Popen:
                             text=True)
 
 
-def wait_for(predicate, what: str, timeout: float = 120):
+def wait_for(predicate, what: str, timeout: float = 120, every: float = 0.01):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if (value := predicate()):
             return value
-        time.sleep(0.01)
+        time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -93,7 +93,7 @@ def test_stopped_ranks_end_the_job_then_elastic_resumes_complete(synth_small, tm
     port = free_port()
     proc = train(synth_small, out, *dist2, "--resume", "--set", f"dist.master_port={port}")
     store = wait_for(lambda: _connect(port), "the launcher's store")
-    wait_for(lambda: read_status(store, 2).get("phase", "").startswith("restoring"), "rank 2 restoring")
+    wait_for(lambda: read_status(store, 2).get("phase", "").startswith("restoring"), "rank 2 restoring", every=0.002)
     output = stopped_job_ends(proc, pid_of(out, 2), "rank 2 (embedding server 0)")
     assert "while restoring step-" in output
     # 4. elastic: the T=2, E=2 checkpoint resumed with one trainer and one server (on a copy, 12
@@ -141,7 +141,11 @@ def train_args(data: Path, out: Path) -> list:
 
 
 def _connect(port: int):
+    """The launcher's store once it listens, else None at once: a store client started before
+    that backs off for seconds, and the ranks (forks of a ready fork server) may have restored by
+    then."""
     try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
         return connect("127.0.0.1", port, 2.0)
     except Exception:
         return None
