@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dense_trainer.checkpointing import FAULT_FILE, storage_rate
 from dense_trainer.config import Config
 from dense_trainer.data.loader import BatchLoader
-from dense_trainer.rank_context import rank_context
+from dense_trainer.rank_context import adopt_launcher_state, launcher_state, rank_context
 from dlrm_core.errors import ConfigError, DlrmError
 from dlrm_core.logs import setup_logging
 from embedding_server.checkpoint import latest_checkpoint
@@ -209,11 +209,7 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
 
 def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: int, result_path: str,
            plan_json: str, env: dict[str, str], cwd: str) -> None:
-    # Forked from the fork server, which started with the launcher's first job: take the
-    # launcher's environment and directory as they are now, as a spawned process would.
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
+    adopt_launcher_state(env, cwd)  # as a spawned process would start
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank))
     os.environ[SUPERVISED_ENV] = "1"  # the launcher watches every rank's beat
     cfg = Config.model_validate_json(cfg_json)
@@ -319,7 +315,7 @@ def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, re
         p = ctx.Process(
             target=_child, name=roles.describe(rank),
             args=(rank, cfg.model_dump_json(), [str(f) for f in train], [str(f) for f in test], str(out), resume,
-                  cfg.dist.master_addr, port, str(result), plan.model_dump_json(), dict(os.environ), os.getcwd()),
+                  cfg.dist.master_addr, port, str(result), plan.model_dump_json(), *launcher_state()),
         )
         p.start()
         procs.append(p)

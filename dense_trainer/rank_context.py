@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 
 RANK_PRELOAD = ["dense_trainer.distributed", "dense_trainer.train", "embedding_server.server"]
 """What the fork server imports before forking the ranks."""
@@ -26,3 +27,16 @@ def rank_context(start: bool = False):
     if start:
         multiprocessing.forkserver.ensure_running()
     return ctx
+
+
+def launcher_state() -> tuple[dict[str, str], str]:
+    """What a rank takes from the launcher when it starts: its environment and directory now."""
+    return dict(os.environ), os.getcwd()
+
+
+def adopt_launcher_state(env: dict[str, str], cwd: str) -> None:
+    """In a rank: the launcher's environment and directory of :func:`launcher_state` (the fork
+    server's are those of the launcher's first job, which may have changed since)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
