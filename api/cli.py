@@ -69,6 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from dlrm_core.errors import ConfigError
     from dlrm_core.logs import logging_config
     from dlrm_core.secrets import read_secret_file
+    from dlrm_core.store_url import check_store_url
 
     env = {
         "DLRM_STORE": args.store, "DLRM_STORE_PASSWORD_FILE": args.store_password_file,
@@ -92,6 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
         name = "DLRM_" + "_".join(str(p) for p in first["loc"]).upper()
         raise ConfigError(f"{name}: {first['msg']}") from None
     KeyRing(settings.api_keys(), settings.api_key_file)  # a bad key file stops here, in one line
+    check_store_url(settings.store)  # and a bad store URL, before a worker fails on it
     if settings.store_password_file is not None:
         read_secret_file(settings.store_password_file, "store password file")
     directory, made = _metrics_dir(args.workers)

@@ -131,15 +131,14 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from dense_trainer.distributed import make_plan, pooling_factors
-    from embedding_server.planner import describe_plan, table_factors
-
     cfg = config_from_args(args)
     if cfg.dist.embedding_servers < 1:
         raise ConfigError("dlrm plan needs --embedding-servers E (at least 1)")
     if args.sample is not None:
         check_files([args.sample], "sample")
         cfg = prepare_config(cfg, [args.sample])
+    from dense_trainer.distributed import make_plan, pooling_factors  # torch: after the checks
+    from embedding_server.planner import describe_plan, table_factors
     factors = pooling_factors(cfg, [args.sample]) if args.sample else None  # read the sample once
     plan = make_plan(cfg, factors=factors)
     spec = cfg.feature_spec()

@@ -45,13 +45,17 @@ def add_publish_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_publish(args: argparse.Namespace) -> int:
-    from embedding_server.publish import publish_checkpoint
-    from embedding_server.stores import StoreUnavailable, open_store
+    from dlrm_core.store_url import check_store_url
 
     fill_from_env(args.parser, args, ["checkpoint", "store"])
     keep = 3 if args.keep is None else args.keep
     if keep < 1:
         raise ConfigError("--keep must be at least 1")
+    check_store_url(args.store)
+    if not args.wait and not Path(args.checkpoint).is_dir():
+        raise ConfigError(f"{args.checkpoint}: no such checkpoint directory")
+    from embedding_server.publish import publish_checkpoint  # torch: after the checks
+    from embedding_server.stores import StoreUnavailable, open_store
     store = open_store(args.store, keep_versions=keep, password_file=args.store_password_file)
     if args.wait:
         deadline = time.monotonic() + args.wait

@@ -53,6 +53,15 @@ def test_unwritable_out(tmp_path, synth_small):
     assert_one_line_error(proc, "--out", "not writable")
 
 
+def test_bad_store_urls_are_one_line_errors(tmp_path):
+    """Before anything starts: the API's workers never see it, the URL's password is not shown."""
+    proc = run("serve", "--store", "bogus://user:hunter2@host/0", "--port", 1)
+    assert_one_line_error(proc, "store URL", "unknown scheme 'bogus'")
+    assert "hunter2" not in proc.stderr + proc.stdout
+    proc = run("publish", "--checkpoint", tmp_path, "--store", "bogus://x")
+    assert_one_line_error(proc, "unknown scheme 'bogus'")
+
+
 def test_config_typo(tmp_path, synth_small):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[model]\ninteraction = 'dot'\nover_arch_layers = [4]\n")

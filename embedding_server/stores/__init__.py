@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from dlrm_core.errors import ConfigError
-from dlrm_core.secrets import read_secret_file, redact_url
+from dlrm_core.secrets import read_secret_file
+from dlrm_core.store_url import check_store_url
 from embedding_server.stores.base import (
     ServingStore,
     StoreUnavailable,
@@ -38,21 +38,19 @@ def open_store(
         password_file: file holding the store's password (default: ``$DLRM_STORE_PASSWORD_FILE``).
     """
     parsed = urlparse(url)
-    if parsed.scheme in ("file", ""):
+    if check_store_url(url) == "file":
         from embedding_server.stores.file_store import FileStore
 
         path = parsed.path if parsed.scheme == "file" else url
         if parsed.scheme == "file" and parsed.netloc:  # file://relative/dir
             path = parsed.netloc + parsed.path
         return FileStore(path, keep_versions=keep_versions)
-    if parsed.scheme in ("redis", "rediss", "unix"):
-        from embedding_server.stores.redis_store import RedisStore
+    from embedding_server.stores.redis_store import RedisStore
 
-        password_file = password_file or os.environ.get(PASSWORD_FILE_ENV) or None
-        password = read_secret_file(password_file, "store password file") if password_file else None
-        return RedisStore(url, keep_versions=keep_versions, timeout_s=timeout_s, password=password)
-    raise ConfigError(f"store URL {redact_url(url)}: unknown scheme {parsed.scheme!r} "
-                      "(use file://DIR, redis://host:port/db or rediss://host:port/db)")
+    password_file = password_file or os.environ.get(PASSWORD_FILE_ENV) or None
+    password = read_secret_file(password_file, "store password file") if password_file else None
+    return RedisStore(url, keep_versions=keep_versions, timeout_s=timeout_s, password=password)
 
 
-__all__ = ["ServingStore", "StoreUnavailable", "UpdateBatch", "VersionNotFound", "VersionWriter", "open_store"]
+__all__ = ["ServingStore", "StoreUnavailable", "UpdateBatch", "VersionNotFound", "VersionWriter", "check_store_url",
+           "open_store"]
