@@ -18,13 +18,32 @@ from torch import nn
 from dense_trainer.config import ModelConfig
 
 
-def mlp(sizes: list[int], relu_last: bool) -> nn.Sequential:
+class MLP(nn.Sequential):
+    """Linear layers with ReLUs, as ``nn.Sequential`` (same parameters, same state dict).
+
+    Without autograd (evaluation, serving) the layers run as bare ``addmm`` / ``relu_`` calls:
+    the maths of ``nn.Linear`` bit for bit (``F.linear`` of a 2-D input is ``addmm(b, x, W^T)``),
+    without a module call per layer (the default over arch on one example: 64 instead of 75 us).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.dim() != 2:
+            return super().forward(x)
+        for layer in self:
+            if type(layer) is nn.Linear:
+                x = torch.addmm(layer.bias, x, layer.weight.t())
+            else:  # nn.ReLU, on the previous layer's own output
+                x = x.relu_()
+        return x
+
+
+def mlp(sizes: list[int], relu_last: bool) -> MLP:
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         layers.append(nn.Linear(a, b))
         if relu_last or i < len(sizes) - 2:
             layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+    return MLP(*layers)
 
 
 class DenseArch(nn.Module):

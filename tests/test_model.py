@@ -79,3 +79,19 @@ def test_logistic_regression():
     torch.nn.init.constant_(lr.linear.bias, 0.5)
     emb = torch.randn(B, F)
     torch.testing.assert_close(lr(torch.randn(B, I), emb), emb.sum(1) + 0.5)
+
+
+def test_mlp_without_autograd_is_nn_linear_bit_for_bit():
+    """The evaluation / serving path of the MLPs (bare addmm and relu_) against nn.Sequential."""
+    from dense_trainer.model import mlp
+
+    torch.manual_seed(0)
+    net = mlp([13, 64, 32, 1], relu_last=False)
+    plain = torch.nn.Sequential(*net)
+    for batch in (1, 7, 300):
+        x = torch.randn(batch, 13)
+        with torch.no_grad():
+            assert torch.equal(net(x), plain(x))
+        with torch.inference_mode():
+            assert torch.equal(net(x), plain(x))
+        assert torch.equal(net(x), plain(x))  # with autograd: nn.Sequential's own forward
