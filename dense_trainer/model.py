@@ -21,20 +21,42 @@ from dense_trainer.config import ModelConfig
 class MLP(nn.Sequential):
     """Linear layers with ReLUs, as ``nn.Sequential`` (same parameters, same state dict).
 
-    Without autograd (evaluation, serving) the layers run as bare ``addmm`` / ``relu_`` calls:
-    the maths of ``nn.Linear`` bit for bit (``F.linear`` of a 2-D input is ``addmm(b, x, W^T)``),
-    without a module call per layer (the default over arch on one example: 64 instead of 75 us).
+    Without autograd (evaluation, serving) the layers run as bare ``addmm`` / ``relu_`` calls,
+    without a module call per layer, bit for bit ``nn.Linear`` (``F.linear`` of a 2-D input is
+    ``addmm(b, x, W^T)``). A served network is frozen (:func:`freeze_for_serving`): its weights
+    never change, so each layer keeps a copy laid out [in, out], which BLAS multiplies faster for
+    a few examples (up to 2x for one) and no slower for many; its results equal the unfrozen ones
+    to float rounding (the sums run in another order).
     """
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.frozen: list[torch.Tensor | None] | None = None
+        """Per layer, W^T contiguous [in, out] of a frozen network (None: not frozen)."""
+
+    def freeze(self) -> None:
+        """Copy every weight as [in, out] for the no-autograd path; the weights must not change
+        afterwards (a served version's network is rebuilt, never updated in place)."""
+        self.frozen = [layer.weight.detach().t().contiguous() if type(layer) is nn.Linear else None for layer in self]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dim() != 2:
             return super().forward(x)
-        for layer in self:
+        frozen = self.frozen
+        for i, layer in enumerate(self):
             if type(layer) is nn.Linear:
-                x = torch.addmm(layer.bias, x, layer.weight.t())
+                x = torch.addmm(layer.bias, x, frozen[i] if frozen is not None else layer.weight.t())
             else:  # nn.ReLU, on the previous layer's own output
                 x = x.relu_()
         return x
+
+
+def freeze_for_serving(module: nn.Module) -> nn.Module:
+    """Freeze every MLP of ``module`` (:meth:`MLP.freeze`); returns it."""
+    for m in module.modules():
+        if isinstance(m, MLP):
+            m.freeze()
+    return module
 
 
 def mlp(sizes: list[int], relu_last: bool) -> MLP:

@@ -81,17 +81,29 @@ def test_logistic_regression():
     torch.testing.assert_close(lr(torch.randn(B, I), emb), emb.sum(1) + 0.5)
 
 
-def test_mlp_without_autograd_is_nn_linear_bit_for_bit():
-    """The evaluation / serving path of the MLPs (bare addmm and relu_) against nn.Sequential."""
-    from dense_trainer.model import mlp
+def test_mlp_without_autograd_is_nn_linear_and_frozen_mlps_equal_it():
+    """The evaluation path of the MLPs (bare addmm) is nn.Sequential bit for bit, also after the
+    weights change in place (a fused optimizer step); a frozen (served) MLP equals it to rounding."""
+    from dense_trainer.model import freeze_for_serving, mlp
 
     torch.manual_seed(0)
     net = mlp([13, 64, 32, 1], relu_last=False)
     plain = torch.nn.Sequential(*net)
-    for batch in (1, 7, 300):
-        x = torch.randn(batch, 13)
-        with torch.no_grad():
-            assert torch.equal(net(x), plain(x))
-        with torch.inference_mode():
-            assert torch.equal(net(x), plain(x))
-        assert torch.equal(net(x), plain(x))  # with autograd: nn.Sequential's own forward
+    opt = torch.optim.Adam(net.parameters(), lr=0.5, fused=True)
+    for _ in range(3):
+        for batch in (1, 7, 300):
+            x = torch.randn(batch, 13)
+            with torch.no_grad():
+                assert torch.equal(net(x), plain(x))
+            with torch.inference_mode():
+                assert torch.equal(net(x), plain(x))
+            assert torch.equal(net(x), plain(x))  # with autograd: nn.Sequential's own forward
+        net(torch.randn(4, 13)).sum().backward()
+        opt.step()
+    served = mlp([13, 64, 32, 1], relu_last=False)
+    served.load_state_dict(net.state_dict())
+    freeze_for_serving(served.eval())
+    with torch.inference_mode():
+        for batch in (1, 7, 300):
+            x = torch.randn(batch, 13)
+            torch.testing.assert_close(served(x), plain(x), rtol=1e-6, atol=1e-6)
