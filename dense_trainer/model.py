@@ -46,8 +46,10 @@ class MLP(nn.Sequential):
         for i, layer in enumerate(self):
             if type(layer) is nn.Linear:
                 x = torch.addmm(layer.bias, x, frozen[i] if frozen is not None else layer.weight.t())
-            else:  # nn.ReLU, on the previous layer's own output
-                x = x.relu_()
+            elif type(layer) is nn.ReLU:
+                x = x.relu_()  # on the previous layer's own output
+            else:
+                x = layer(x)
         return x
 
 

@@ -51,10 +51,8 @@ def run_publish(args: argparse.Namespace) -> int:
     keep = 3 if args.keep is None else args.keep
     if keep < 1:
         raise ConfigError("--keep must be at least 1")
-    check_store_url(args.store)
-    if not args.wait and not Path(args.checkpoint).is_dir():
-        raise ConfigError(f"{args.checkpoint}: no such checkpoint directory")
-    from embedding_server.publish import publish_checkpoint  # torch: after the checks
+    check_store_url(args.store)  # a bad URL refused before torch loads
+    from embedding_server.publish import publish_checkpoint
     from embedding_server.stores import StoreUnavailable, open_store
     store = open_store(args.store, keep_versions=keep, password_file=args.store_password_file)
     if args.wait:

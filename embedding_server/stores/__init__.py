@@ -52,5 +52,4 @@ def open_store(
     return RedisStore(url, keep_versions=keep_versions, timeout_s=timeout_s, password=password)
 
 
-__all__ = ["ServingStore", "StoreUnavailable", "UpdateBatch", "VersionNotFound", "VersionWriter", "check_store_url",
-           "open_store"]
+__all__ = ["ServingStore", "StoreUnavailable", "UpdateBatch", "VersionNotFound", "VersionWriter", "open_store"]
