@@ -170,19 +170,31 @@ def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offse
     if (model.mapped is None and model.cache is None) or not _few_one_hot(model, ids, offsets, batch):
         return None
     columns = model.stored_columns  # feature f: columns[f]:columns[f + 1] of a row as stored
-    out = np.empty((batch, columns[-1]), dtype=NUMPY_DTYPE[model.row_dtype])  # [B, sum W_f]
     if model.mapped is not None:
-        for f, table in enumerate(model.mapped):
-            out[:, columns[f] : columns[f + 1]] = table[ids[f * batch : (f + 1) * batch]]
+        if batch == 1 and model.mapped:  # a row view per feature, one copy of them all (no fancy index per table)
+            out = np.concatenate(list(map(np.ndarray.__getitem__, model.mapped, ids.tolist())))[None]
+        else:
+            out = np.empty((batch, columns[-1]), dtype=NUMPY_DTYPE[model.row_dtype])  # [B, sum W_f]
+            for f, table in enumerate(model.mapped):
+                out[:, columns[f] : columns[f + 1]] = table[ids[f * batch : (f + 1) * batch]]
         if expect is not None and not _owned(model, ids, expect, batch):
             return None
-    elif expect is not None or not model.cache.gather(model.table_names, ids.tolist(), out, columns):
-        return None
-    distinct = len(set(zip(np.repeat(model.feature_tables, batch).tolist(), ids.tolist(), strict=True)))
+    else:
+        out = np.empty((batch, columns[-1]), dtype=NUMPY_DTYPE[model.row_dtype])  # [B, sum W_f]
+        if expect is not None or not model.cache.gather(model.table_names, ids.tolist(), out, columns):
+            return None
+    distinct = _distinct_rows(model, ids, batch)
     metrics.lookups.inc(distinct)
     if model.cache is not None:
         metrics.cache_hits.inc(distinct)
     return torch.from_numpy(_as_float(model, out))
+
+
+def _distinct_rows(model: ServingModel, ids: np.ndarray, batch: int) -> int:
+    """Distinct (table, row) pairs of a one-hot batch (ids [F * B], feature-major)."""
+    if batch == 1 and model.distinct_tables:  # one row per table
+        return len(ids)
+    return len(set(zip(np.repeat(model.feature_tables, batch).tolist(), ids.tolist(), strict=True)))
 
 
 def _as_float(model: ServingModel, out: np.ndarray) -> np.ndarray:

@@ -66,6 +66,8 @@ class ServingModel:
         self.cache = self.new_cache() if remote and cache_bytes > 0 else None
         self.feature_tables = meta.spec.feature_tables
         """Index of each categorical feature's table (the spec computes it on every call)."""
+        self.distinct_tables = len(set(self.feature_tables)) == len(self.feature_tables)
+        """No two features share a table (a one-hot example then reads one row per feature)."""
         self.uniform_dim = len({t.dim for t in meta.spec.tables}) <= 1
         """Every table has one D: one-hot requests are pooled with a single gather."""
         if any(t.rows >= 2**40 for t in meta.spec.tables):

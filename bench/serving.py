@@ -8,8 +8,12 @@ Servers (started one at a time, 1 uvicorn worker each; the load generator shares
 
 Phases (``--phases``), each server fresh:
     cpu         server CPU time per single-instance request: sequential requests on one
-                connection, sent once to warm up, then again: the server process's user +
-                system time (/proc/PID/stat, every thread) over the second pass, per request.
+                connection from the C load generator (one in flight), a 1 s pass to warm up,
+                then --cpu-seconds (4) of them: the server process's user + system time
+                (/proc/PID/stat, every thread) over the second pass, per request. (Until
+                2026-12-03 a Python httpx client sent them: on the same 2 cores its own work
+                between requests left the server's caches cold, which read 14-73% more server
+                CPU per request, and noisier, than this client on the same server.)
     sweep       capacity: open loop of single-instance requests at rising rates (latency from
                 each scheduled send time: no coordinated omission); the highest rate whose p99
                 is <= --p99-ms (15) and without errors is the server's capacity. A cold pass
@@ -200,17 +204,15 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_per_request(server: Server, url: str, bodies: list[bytes]) -> dict:
-    """Sequential requests on one connection; the server's CPU time over them, per request."""
-    headers = {"content-type": "application/json"}
-    with httpx.Client(timeout=60) as client:
-        for body in bodies:  # warm: these rows cached, code paths hot
-            client.post(url, content=body, headers=headers)
-        cpu0, t0 = process_cpu_s(server.proc.pid), time.perf_counter()
-        errors = sum(client.post(url, content=body, headers=headers).status_code != 200 for body in bodies)
-        cpu1, t1 = process_cpu_s(server.proc.pid), time.perf_counter()
-    return {"requests": len(bodies), "cpu_ms": 1e3 * (cpu1 - cpu0) / len(bodies),
-            "wall_ms": 1e3 * (t1 - t0) / len(bodies), "errors": errors}
+def cpu_per_request(server: Server, gen: LoadGen, bodies: Path, seconds: float) -> dict:
+    """Sequential requests on one connection (the C load generator, one request in flight): the
+    server's CPU time over them, per request, after a 1 s warm-up pass."""
+    gen.run(bodies, 1.0, conns=1)
+    cpu0 = process_cpu_s(server.proc.pid)
+    result = gen.run(bodies, seconds, conns=1)
+    cpu1 = process_cpu_s(server.proc.pid)
+    return {"requests": result["requests"], "cpu_ms": 1e3 * (cpu1 - cpu0) / max(1, result["requests"]),
+            "wall_ms": 1e3 * result["elapsed_s"] / max(1, result["requests"]), "errors": result["errors"]}
 
 
 def sweep(gen: LoadGen, url: str, bodies: list[bytes], rates: list[float], seconds: float, p99_ms: float) -> dict:
@@ -273,7 +275,7 @@ def run_server(kind, store_url, args, singles, batch_body, env, loadgen: Path) -
             if "sweep" in phases:
                 out["sweep"] = sweep(gen, url, singles, args.rates, args.sweep_seconds, args.p99_ms)
             if "cpu" in phases:
-                out["cpu"] = cpu_per_request(server, url, singles[: args.requests])
+                out["cpu"] = cpu_per_request(server, gen, all_singles, args.cpu_seconds)
             if "concurrent" in phases:
                 out["batching_on"] = concurrent_clients(gen, all_singles, 64, args.seconds)
                 out["batching_on_batches"] = batch_sizes(f"http://127.0.0.1:{args.port}/metrics")
@@ -308,6 +310,7 @@ def median_runs(runs: list[dict]) -> dict:
     first = runs[0]
     if "cpu" in first:
         out["cpu_ms"] = med(lambda r: r["cpu"]["cpu_ms"])
+        out["cpu_ms_range"] = [min(r["cpu"]["cpu_ms"] for r in runs), max(r["cpu"]["cpu_ms"] for r in runs)]
     if "sweep" in first:
         out["capacity_rps"] = med(lambda r: r["sweep"]["capacity_rps"])
         out["cold_p50_ms"] = med(lambda r: r["sweep"]["cold"]["p50_ms"])
@@ -326,7 +329,7 @@ def main() -> None:
                    help="request rates of the capacity sweep, rising")
     p.add_argument("--sweep-seconds", type=float, default=3.0, help="length of each sweep pass")
     p.add_argument("--p99-ms", type=float, default=15.0, help="a rate is held when p99 is at most this")
-    p.add_argument("--requests", type=int, default=1000, help="sequential requests of the cpu phase (sent twice)")
+    p.add_argument("--cpu-seconds", type=float, default=4.0, help="length of the cpu phase's timed pass")
     p.add_argument("--phases", default="cpu,sweep,concurrent,batch")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--seconds", type=float, default=6.0, help="duration of each closed-loop run")
@@ -378,7 +381,7 @@ def main() -> None:
         if redis is not None:
             redis.stop(save=False)
     results["config"] = {"rates": args.rates, "sweep_seconds": args.sweep_seconds, "p99_ms": args.p99_ms,
-                         "requests": args.requests, "batch": args.batch, "rounds": args.rounds, "phases": args.phases,
+                         "cpu_seconds": args.cpu_seconds, "batch": args.batch, "rounds": args.rounds, "phases": args.phases,
                          "workers": args.workers, "seconds": args.seconds, "cpus": os.cpu_count(),
                          "row_dtypes": args.row_dtype,
                          "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
@@ -394,17 +397,21 @@ def _f(value, fmt: str = ",.0f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _range(span: list[float] | None) -> str:
+    return f" ({span[0]:.2f}-{span[1]:.2f})" if span else ""
+
+
 def render(r: dict) -> str:
     c = r["config"]
     lines = [
         f"Serving on loopback, load generator on the same {c['cpus']} cores ({c['date']}; medians of "
-        f"{c['rounds']} interleaved rounds; one uvicorn worker). CPU: server CPU time over {c['requests']} "
-        f"sequential single-instance requests. Capacity: highest of {c['rates']} requests/s held with p99 <= "
+        f"{c['rounds']} interleaved rounds; one uvicorn worker). CPU: server CPU time over {c['cpu_seconds']:.0f} s of "
+        f"sequential single-instance requests (one connection, the C load generator), median and range over the rounds. Capacity: highest of {c['rates']} requests/s held with p99 <= "
         f"{c['p99_ms']:.0f} ms ({c['sweep_seconds']:.0f} s per rate, single-instance requests, open loop). "
         f"64 clients: closed loop of single-instance requests for {c['seconds']:.0f} s. Machine load "
         f"(1-minute load average, before / after; other tenants included): {c['loadavg_1min']}.",
         "",
-        "| server | CPU ms / request | capacity req/s (p99 <= 15 ms) | cold p50 / p99 ms | 64 clients, batching on: inst/s (p50 / p99 ms) | batching off: inst/s (p50 / p99 ms) | on / off |",
+        "| server | CPU ms / request (range) | capacity req/s (p99 <= 15 ms) | cold p50 / p99 ms | 64 clients, batching on: inst/s (p50 / p99 ms) | batching off: inst/s (p50 / p99 ms) | on / off |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     names = {"file": "ours, file store (mmap)", "redis": "ours, Redis store + row cache",
@@ -419,7 +426,7 @@ def render(r: dict) -> str:
         on, off = x.get("batching_on") or {}, x.get("batching_off") or {}
         gain = on["instances_per_s"] / off["instances_per_s"] if on and off else None
         lines.append(
-            f"| {names[kind]} | {_f(x.get('cpu_ms'), '.2f')} | {_f(x.get('capacity_rps'))} | "
+            f"| {names[kind]} | {_f(x.get('cpu_ms'), '.2f')}{_range(x.get('cpu_ms_range'))} | {_f(x.get('capacity_rps'))} | "
             f"{_f(x.get('cold_p50_ms'), '.1f')} / {_f(x.get('cold_p99_ms'), '.1f')} | "
             f"{_f(on.get('instances_per_s'))} ({_f(on.get('p50_ms'), '.1f')} / {_f(on.get('p99_ms'), '.1f')}) | "
             f"{_f(off.get('instances_per_s'))} ({_f(off.get('p50_ms'), '.1f')} / {_f(off.get('p99_ms'), '.1f')}) | "
