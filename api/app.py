@@ -20,6 +20,7 @@ from api.fastpath import FastScoring
 from api.metrics import ServingMetrics
 from api.middleware import BodyLimit, RequestContext
 from api.router import FAST_HANDLERS as V1_FAST
+from api.router import STAGED as V1_STAGED
 from api.router import router
 from api.service import ModelService
 from api.settings import Settings, get_settings
@@ -90,7 +91,7 @@ def create_app(
     app.state.routes = openapi.route_table(app)
     if settings.fast_path:  # innermost: inside the body cap, the key check and the request context
         app.add_middleware(FastScoring, routes=app.state.routes, handlers={**V1_FAST, **V2_FAST},
-                           inline_max_bytes=settings.inline_max_bytes)
+                           inline_max_bytes=settings.inline_max_bytes, staged=V1_STAGED)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequireKey, keys=keys)
     app.add_middleware(RequestContext, access_log=settings.access_log, templates=[p for p, _ in app.state.routes])

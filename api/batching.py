@@ -1,9 +1,11 @@
 """Dynamic batching: concurrent requests of one version scored in one model call.
 
-Each request decodes and featurises its own body in its own thread (a bad request fails there,
-alone, before it is queued), then hands its model inputs to the batcher and waits:
+Each request decodes and featurises its own body (a bad request fails there, alone, before it
+is queued), in its pool thread or, small ones that arrive beside others, on the event loop
+(``api/fastpath.py``), then hands its model inputs to the batcher and waits:
 
     request threads:  decode -> featurise -> score(model, inputs) ... wait ... predictions
+    event loop:       decode -> featurise -> submit(model, inputs) ... await the future ...
     batcher thread:   wait for a queued request; while other requests are still being decoded
                       (``coming``) and the batch has room, wait for them up to max_delay;
                       merge up to max_size examples of one version -> one model call -> split
@@ -11,7 +13,8 @@ alone, before it is queued), then hands its model inputs to the batcher and wait
 A lone request is never delayed: when no model call is running and nothing is queued, it is
 scored at once in its own thread. Batches form while a model call runs (requests queue behind
 it) and from requests already being decoded. A batch whose call fails is scored again request
-by request, so that each request gets its own answer or its own error.
+by request, so that each request gets its own answer or its own error (unless the store is
+unavailable or the version gone: that is every request's answer at once).
 
 Shapes: B examples of a request, F categorical features, I dense features; inputs are
 ``ModelInputs`` (dense [B, I], ids of all bags feature-major, offsets [F*B + 1]).
@@ -31,8 +34,11 @@ import numpy as np
 from api.featurize import ModelInputs
 from api.metrics import ServingMetrics
 from api.model import ServingModel
+from embedding_server.stores import StoreUnavailable, VersionNotFound
 
 Score = Callable[[ServingModel, ModelInputs], list[float]]
+SHARED_FAULTS = (StoreUnavailable, VersionNotFound)
+"""Failures of a coalesced call that are no single request's: answered to all of its requests."""
 
 
 def merge(parts: list[ModelInputs]) -> ModelInputs:
@@ -113,7 +119,7 @@ class Batcher:
         self._arrived()
         job = _Job(model, inputs)
         with self._cond:
-            running = self._thread is not None and not self._stopped
+            running = self.running
             inline = not running or (not self._busy and not self._queue)
             if inline and running:
                 self._busy = True  # requests that come meanwhile queue for the batcher thread
@@ -131,6 +137,27 @@ class Batcher:
                     self._busy = False
                     if self._queue:
                         self._cond.notify_all()
+
+    @property
+    def running(self) -> bool:
+        """Whether the batcher thread takes queued requests (``submit`` may be used)."""
+        return self._thread is not None and not self._stopped
+
+    def submit(self, model: ServingModel, inputs: ModelInputs) -> Future:
+        """Queue ``inputs`` for the batcher thread, never scored in this thread (callers that
+        must not block: the event loop) -> the future of their predictions, always resolved:
+        the thread scores what is queued, also when it stops.
+
+        Raises:
+            RuntimeError: the batcher thread is not running.
+        """
+        job = _Job(model, inputs)
+        with self._cond:
+            if not self.running:
+                raise RuntimeError("the batcher is not running")
+            self._queue.append(job)
+            self._cond.notify_all()
+        return job.future
 
     # -- the batcher thread ------------------------------------------------------------------------
     def start(self) -> None:
@@ -186,6 +213,10 @@ class Batcher:
         if len(batch) > 1:
             try:
                 predictions = self._score(batch[0].model, merge([j.inputs for j in batch]))
+            except SHARED_FAULTS as exc:  # the store or the version: every request's alike, at once
+                for job in batch:  # (scored again one by one, each would wait out the store's timeout)
+                    job.future.set_exception(exc)
+                return
             except Exception:  # noqa: BLE001 - each request is scored again, alone, for its own error
                 predictions = None
             if predictions is not None:

@@ -13,6 +13,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.errors import NotReady
+from api.fastpath import Staged
 from api.schemas import ErrorBody, ModelInfo, PredictResponse
 from api.service import ModelService, Scored
 
@@ -98,6 +99,17 @@ FAST_HANDLERS = {
         lambda service, p, body, _: _predict_tsv(service, p["name"], body, p["version"]),
 }
 """The scoring routes as ``api/fastpath.py`` answers them: the same functions as the endpoints below."""
+
+STAGED = {
+    "/v1/models/{name}:predict": Staged(lambda service, p, body, _: service.prepare_json(p["name"], body, None), _json),
+    "/v1/models/{name}/versions/{version}:predict":
+        Staged(lambda service, p, body, _: service.prepare_json(p["name"], body, p["version"]), _json),
+    "/v1/models/{name}:predict_tsv":
+        Staged(lambda service, p, body, _: service.prepare_tsv(p["name"], body, None), _json),
+    "/v1/models/{name}/versions/{version}:predict_tsv":
+        Staged(lambda service, p, body, _: service.prepare_tsv(p["name"], body, p["version"]), _json),
+}
+"""The same routes split around their model call (``fastpath.Staged``): concurrent small requests."""
 
 
 @models.post("/{name}:predict_tsv", response_model=PredictResponse, openapi_extra=TSV_BODY,

@@ -8,6 +8,7 @@ refresh swaps in meanwhile: version swaps and promotions under load fail no requ
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -28,6 +29,18 @@ from embedding_server.idmap.view import IdMapView
 from embedding_server.stores import ServingStore, VersionNotFound
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Pending:
+    """A request decoded, validated and featurised, before its model call."""
+
+    model: ServingModel
+    """The version it is scored with (the reference it took at its start)."""
+    inputs: ModelInputs
+    """Its model inputs."""
+    kind: str
+    """Its input kind (the batch-size metric's label): instances, lines, tensors."""
 
 
 @dataclass
@@ -102,29 +115,49 @@ class ModelService:
     def predict_json(self, name: str, body: bytes, version: str | None = None) -> Scored:
         """Click probabilities of a V1 JSON body (decoded here, off the event loop)."""
         with self.batcher.coming():
-            return self.predict(name, decode.predict_request(body).instances, version)
+            return self.finish(self.prepare_json(name, body, version))
+
+    def prepare_json(self, name: str, body: bytes, version: str | None = None) -> Pending:
+        """A V1 JSON body decoded, validated and featurised: everything but the model call."""
+        return self._prepare(name, decode.predict_request(body).instances, version)
 
     def predict(self, name: str, instances: list, version: str | None = None) -> Scored:
         """Click probabilities of validated JSON instances."""
+        return self.finish(self._prepare(name, instances, version))
+
+    def _prepare(self, name: str, instances: list, version: str | None) -> Pending:
         if len(instances) > self.settings.max_instances:
             raise InputError("instances", f"{len(instances)} instances, at most {self.settings.max_instances} per request")
         model = self.resolve(name, version)
-        return self.scored(model, featurize_instances(model.spec, model.featurizer, instances, model.values),
-                           "instances")
+        return self._capped(Pending(model, featurize_instances(model.spec, model.featurizer, instances, model.values),
+                                    "instances"))
 
     def predict_tsv(self, name: str, text: bytes, version: str | None = None) -> Scored:
         """Click probabilities of lines in the model's input layout."""
         with self.batcher.coming():
-            return self._predict_lines(name, text, version)
+            return self.finish(self.prepare_tsv(name, text, version))
 
-    def _predict_lines(self, name: str, text: bytes, version: str | None) -> Scored:
+    def prepare_tsv(self, name: str, text: bytes, version: str | None = None) -> Pending:
+        """Lines in the model's input layout parsed and featurised: everything but the model call."""
         model = self.resolve(name, version)
         if model.lines is None:
             raise InputError("body", f"version {model.version} does not record its input columns; send JSON instances")
         inputs, n = featurize_lines(model.lines, text, self.settings.max_instances)
         if n > self.settings.max_instances:
             raise InputError("body", f"{n} lines, at most {self.settings.max_instances} per request")
-        return self.scored(model, inputs, "lines")
+        return self._capped(Pending(model, inputs, "lines"))
+
+    def _capped(self, pending: Pending) -> Pending:
+        """``pending`` unless it carries more ids than ``max_ids_per_request``.
+
+        Raises:
+            TooLarge: it does.
+        """
+        n_ids, cap = len(pending.inputs[1]), self.settings.max_ids_per_request
+        if n_ids > cap:
+            raise TooLarge("body", f"{n_ids} categorical ids, at most max_ids_per_request={cap} per request "
+                                   "(DLRM_MAX_IDS_PER_REQUEST)")
+        return pending
 
     def scored(self, model: ServingModel, inputs: ModelInputs, kind: str) -> Scored:
         """Score featurised inputs with ``model`` (the reference this request took), batched
@@ -134,10 +167,16 @@ class ModelService:
             TooLarge: more ids than ``max_ids_per_request``.
             Offload: a request on the event loop (``api/inline.py``) whose rows are not all cached.
         """
-        n_ids, cap = len(inputs[1]), self.settings.max_ids_per_request
-        if n_ids > cap:
-            raise TooLarge("body", f"{n_ids} categorical ids, at most max_ids_per_request={cap} per request "
-                                   "(DLRM_MAX_IDS_PER_REQUEST)")
+        return self.finish(self._capped(Pending(model, inputs, kind)))
+
+    def finish(self, pending: Pending) -> Scored:
+        """The model call of a prepared request, in this thread (or coalesced with concurrent
+        requests' by the batcher).
+
+        Raises:
+            Offload: a request on the event loop (``api/inline.py``) whose rows are not all cached.
+        """
+        model, inputs = pending.model, pending.inputs
         if inline.on_loop() and not all_cached(model, inputs[1], inputs[2], inputs[0].shape[0]):
             raise inline.Offload  # it would read the remote store: not on the event loop
         generation = model.generation
@@ -145,8 +184,21 @@ class ModelService:
             predictions = self.batcher.score(model, inputs)
         except VersionNotFound:
             raise self.versions.vanished(model) from None
-        self.metrics.batch_size.labels(input=kind).observe(len(predictions))
-        return Scored(predictions, model.version, generation)
+        return self._answer(pending, predictions, generation)
+
+    async def finish_queued(self, pending: Pending) -> Scored:
+        """The model call of a prepared request made by the batcher thread, awaited (the event
+        loop's concurrent small requests: ``api/fastpath.py``); batching must be running."""
+        generation = pending.model.generation
+        try:
+            predictions = await asyncio.wrap_future(self.batcher.submit(pending.model, pending.inputs))
+        except VersionNotFound:
+            raise self.versions.vanished(pending.model) from None
+        return self._answer(pending, predictions, generation)
+
+    def _answer(self, pending: Pending, predictions: list[float], generation: int) -> Scored:
+        self.metrics.batch_size.labels(input=pending.kind).observe(len(predictions))
+        return Scored(predictions, pending.model.version, generation)
 
     def embed(self, model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int) -> torch.Tensor:
         """Pooled embeddings float [B, sum(D_t)] (``api/lookup.py``; benchmarks swap it)."""

@@ -47,8 +47,10 @@ class Settings(BaseSettings):
     arriving while no other is in flight, on a local store (file: memory-mapped rows) or with
     every row it reads in a remote store's row cache, is scored on the event loop itself instead
     of a pool thread (``api/fastpath.py``): its work is bounded by its size, and it saves the
-    thread hop. Larger bodies, concurrent requests (dynamic batching) and requests that read a
-    remote store always go off the loop. 0: never on the loop."""
+    thread hop. A body this small that arrives while others are in flight is decoded and
+    featurised on the loop and its model call queued for the batcher thread (dynamic batching
+    on). Larger bodies and lone requests that read a remote store go to a pool thread. 0: never
+    on the loop."""
     max_body_bytes: int = Field(default=16 << 20, ge=1024)
     """Largest request body; larger bodies get 413."""
     max_pinned_versions: int = Field(default=2, ge=0)

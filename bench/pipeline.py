@@ -3,8 +3,9 @@
 * ``hosts`` (root, ``ip netns`` and ``tc``): the disaggregated layout across two hosts, a trainer
   host and a parameter host (two network namespaces on a bridge, each host's egress limited with
   ``tc tbf`` to --rate, default 1gbit); one trainer and one embedding server (``dlrm worker``
-  ranks under a topology file), dim 64: lockstep (``--pipeline off``) vs pipelined (``exact``)
-  vs ``semi-sync`` samples/s, from the job's own metrics.json.
+  ranks under a topology file), dim 64: lockstep (``--pipeline off``) vs pipelined (``exact``,
+  with corrected early lookups and without) vs ``semi-sync`` samples/s, from the job's own
+  metrics.json.
 * ``quality``: test AUC of ``exact`` vs ``semi-sync`` on --quality-rows generated rows (one
   server, one trainer, the default model; several seeds), beside the Bayes-optimal AUC.
 
@@ -35,7 +36,11 @@ sys.path.insert(0, str(REPO))
 from tests import netns  # noqa: E402
 
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
-MODES = {"lockstep": "off", "pipelined": "exact", "semi-sync": "semi-sync"}
+MODES = {"lockstep": ["--pipeline", "off"], "pipelined": ["--pipeline", "exact"],
+         "pipelined, uncorrected": ["--pipeline", "exact", "--set", "dist.corrected_lookups=false"],
+         "semi-sync": ["--pipeline", "semi-sync"]}
+"""Each mode's flags (``pipelined, uncorrected``: exact too, the next lookup waits for the update
+instead of being corrected afterwards)."""
 
 
 def synth(rows: int, test_rows: int, out: Path) -> Path:
@@ -128,8 +133,8 @@ def hosts_part(args, work: Path) -> dict:
         for r in range(args.rounds):
             for name, mode in MODES.items():
                 port += 1
-                out = work / f"hosts-{name}-{r}"
-                res = run_on_hosts(hosts, [*base, "--pipeline", mode], out, port, topology)
+                out = work / f"hosts-{name.replace(', ', '-')}-{r}"
+                res = run_on_hosts(hosts, [*base, *mode], out, port, topology)
                 shutil.rmtree(out, ignore_errors=True)
                 print(f"  round {r} {name}: {res['samples_per_s']:,.0f} samples/s", flush=True)
                 runs[name].append(res)
@@ -148,7 +153,7 @@ def quality_part(args, work: Path) -> dict:
         for name in runs:
             out = work / f"quality-{name}-{seed}"
             cmd = [*DLRM, "train", "--train", str(data / "train.txt"), "--test", str(data / "test.txt"),
-                   "--out", str(out), "--embedding-servers", "1", "--pipeline", MODES[name], "--no-progress",
+                   "--out", str(out), "--embedding-servers", "1", *MODES[name], "--no-progress",
                    "--set", f"train.seed={seed}", "--set", "train.checkpoint_every_steps=0"]
             subprocess.run(cmd, check=True, capture_output=True, cwd=REPO)
             auc = json.loads((out / "metrics.json").read_text())["test_auc"]

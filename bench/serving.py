@@ -8,12 +8,14 @@ Servers (started one at a time, 1 uvicorn worker each; the load generator shares
 
 Phases (``--phases``), each server fresh:
     cpu         server CPU time per single-instance request: sequential requests on one
-                connection from the C load generator (one in flight), a 1 s pass to warm up,
-                then --cpu-seconds (4) of them: the server process's user + system time
+                connection from the C load generator (one in flight) cycling through 500
+                bodies, a 3 s pass over them to warm up (rows cached: the warm regime), then
+                --cpu-seconds (4) of them: the server process's user + system time
                 (/proc/PID/stat, every thread) over the second pass, per request. (Until
                 2026-12-03 a Python httpx client sent them: on the same 2 cores its own work
                 between requests left the server's caches cold, which read 14-73% more server
-                CPU per request, and noisier, than this client on the same server.)
+                CPU per request, and noisier, than this client on the same server; phase
+                cpu-httpx, not run by default, measures that way beside it.)
     sweep       capacity: open loop of single-instance requests at rising rates (latency from
                 each scheduled send time: no coordinated omission); the highest rate whose p99
                 is <= --p99-ms (15) and without errors is the server's capacity. A cold pass
@@ -57,6 +59,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
 
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
+CPU_BODIES = 500
+"""Distinct single-instance bodies of the cpu phase (the first of the test rows)."""
 
 
 def store_dir(work: Path, row_dtype: str) -> Path:
@@ -205,14 +209,29 @@ def process_cpu_s(pid: int) -> float:
 
 
 def cpu_per_request(server: Server, gen: LoadGen, bodies: Path, seconds: float) -> dict:
-    """Sequential requests on one connection (the C load generator, one request in flight): the
-    server's CPU time over them, per request, after a 1 s warm-up pass."""
-    gen.run(bodies, 1.0, conns=1)
+    """Sequential requests on one connection (the C load generator, one request in flight, cycling
+    through ``bodies`` from the first each run): the server's CPU time over them, per request,
+    after a warm-up pass over every body (``bodies``: few enough that 3 s sends each once even at
+    a cold store's rate, so that the timed pass reads only rows seen before)."""
+    gen.run(bodies, 3.0, conns=1)
     cpu0 = process_cpu_s(server.proc.pid)
     result = gen.run(bodies, seconds, conns=1)
     cpu1 = process_cpu_s(server.proc.pid)
     return {"requests": result["requests"], "cpu_ms": 1e3 * (cpu1 - cpu0) / max(1, result["requests"]),
             "wall_ms": 1e3 * result["elapsed_s"] / max(1, result["requests"]), "errors": result["errors"]}
+
+
+def cpu_per_request_httpx(server: Server, url: str, bodies: list[bytes]) -> dict:
+    """The cpu phase as it was measured until 2026-12-03: sequential requests from a Python httpx
+    client on one connection, sent once to warm up, then again (``cpu-httpx``)."""
+    headers = {"content-type": "application/json"}
+    with httpx.Client(timeout=60) as client:
+        for body in bodies:
+            client.post(url, content=body, headers=headers)
+        cpu0 = process_cpu_s(server.proc.pid)
+        errors = sum(client.post(url, content=body, headers=headers).status_code != 200 for body in bodies)
+        cpu1 = process_cpu_s(server.proc.pid)
+    return {"requests": len(bodies), "cpu_ms": 1e3 * (cpu1 - cpu0) / len(bodies), "errors": errors}
 
 
 def sweep(gen: LoadGen, url: str, bodies: list[bytes], rates: list[float], seconds: float, p99_ms: float) -> dict:
@@ -267,15 +286,18 @@ def run_server(kind, store_url, args, singles, batch_body, env, loadgen: Path) -
     url = f"http://127.0.0.1:{args.port}/v1/models/dlrm:predict"
     gen = LoadGen(loadgen, args.port, "/v1/models/dlrm:predict", args.work)
     all_singles = gen.bodies("singles", singles)
+    cpu_singles = gen.bodies("cpu-singles", singles[:CPU_BODIES])
     out = {}
     phases = args.phases.split(",")
-    if {"cpu", "sweep", "concurrent"} & set(phases):
+    if {"cpu", "cpu-httpx", "sweep", "concurrent"} & set(phases):
         server = Server(kind, store_url, args.port, 1, env)
         try:
             if "sweep" in phases:
                 out["sweep"] = sweep(gen, url, singles, args.rates, args.sweep_seconds, args.p99_ms)
             if "cpu" in phases:
-                out["cpu"] = cpu_per_request(server, gen, all_singles, args.cpu_seconds)
+                out["cpu"] = cpu_per_request(server, gen, cpu_singles, args.cpu_seconds)
+            if "cpu-httpx" in phases:
+                out["cpu_httpx"] = cpu_per_request_httpx(server, url, singles[:1000])
             if "concurrent" in phases:
                 out["batching_on"] = concurrent_clients(gen, all_singles, 64, args.seconds)
                 out["batching_on_batches"] = batch_sizes(f"http://127.0.0.1:{args.port}/metrics")
@@ -311,6 +333,8 @@ def median_runs(runs: list[dict]) -> dict:
     if "cpu" in first:
         out["cpu_ms"] = med(lambda r: r["cpu"]["cpu_ms"])
         out["cpu_ms_range"] = [min(r["cpu"]["cpu_ms"] for r in runs), max(r["cpu"]["cpu_ms"] for r in runs)]
+    if "cpu_httpx" in first:
+        out["cpu_httpx_ms"] = med(lambda r: r["cpu_httpx"]["cpu_ms"])
     if "sweep" in first:
         out["capacity_rps"] = med(lambda r: r["sweep"]["capacity_rps"])
         out["cold_p50_ms"] = med(lambda r: r["sweep"]["cold"]["p50_ms"])
@@ -431,6 +455,11 @@ def render(r: dict) -> str:
             f"{_f(on.get('instances_per_s'))} ({_f(on.get('p50_ms'), '.1f')} / {_f(on.get('p99_ms'), '.1f')}) | "
             f"{_f(off.get('instances_per_s'))} ({_f(off.get('p50_ms'), '.1f')} / {_f(off.get('p99_ms'), '.1f')}) | "
             f"{_f(gain, '.2f')}x |")
+    if any("cpu_httpx_ms" in r.get(k, {}) for k in names):
+        lines += ["", "Server CPU ms per request with the requests sent by a Python httpx client instead (phase "
+                  "cpu-httpx, the same servers): " + "; ".join(
+                      f"{k} {r[k]['cpu_httpx_ms']:.2f} (C client {_f(r[k].get('cpu_ms'), '.2f')})"
+                      for k in names if "cpu_httpx_ms" in r.get(k, {}))]
     if any("batch" in r.get(k, {}) for k in names):
         lines += ["", f"{c['batch']}-instance requests, 4 connections, {c['workers']} workers: "
                   + "; ".join(f"{k} {_f(r[k]['batch']['instances_per_s'])} instances/s" for k in names

@@ -2,6 +2,7 @@
 predictions they get alone, batches do form (metrics), and one request's failure in a batch
 fails no other request."""
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -121,3 +122,56 @@ def test_a_failing_request_fails_alone_in_its_batch(file_store_url, rows):  # no
     assert [a.status_code for a in answers[1:]] == [200] * 8
     np.testing.assert_allclose([a.json()["predictions"][0] for a in answers[1:]], expected, atol=1e-6)
     assert len(bodies) in calls, f"the poisoned request was never batched with the others: {calls}"
+
+
+def test_concurrent_small_requests_are_queued_from_the_loop_and_fail_alone(file_store_url, rows):  # noqa: F811
+    """Small requests that arrive while others are in flight are decoded and featurised on the
+    event loop and scored by the batcher thread (``fastpath.Staged``: no pool thread each), batched
+    and as alone; a bad body gets its own 422 naming its field, a failing model call its own 500."""
+    poison = {"dense": [987654321] + [None] * 12, "sparse": [None] * 26}
+    bad = {"dense": ["many"] + [None] * 12, "sparse": [None] * 26}
+    with TestClient(create_app(Settings(store=file_store_url))) as client:
+        service = client.app.state.service
+        expected = [client.post(PREDICT, json={"instances": [r]}).json()["predictions"][0] for r in rows[:12]]
+        score, threads = service.score, []
+
+        def score_unless_poisoned(model, inputs):
+            threads.append((threading.current_thread().name, len(inputs[0])))
+            if np.isclose(inputs[0][:, 0], np.log1p(987654321)).any():
+                raise RuntimeError("poisoned example")
+            return score(model, inputs)
+
+        service.score = score_unless_poisoned
+        _slow_first_calls(service, 0.3, 1)  # the first queued call holds the batcher: the rest queue
+        bodies = [{"instances": [poison]}, {"instances": [bad]}, *({"instances": [r]} for r in rows[:12])]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(lambda body: client.post(PREDICT, json=body), bodies))
+    assert answers[0].status_code == 500 and "request_id" in answers[0].json()
+    assert answers[1].status_code == 422 and answers[1].json()["field"] == "instances.0.dense.0", answers[1].text
+    assert [a.status_code for a in answers[2:]] == [200] * 12
+    np.testing.assert_allclose([a.json()["predictions"][0] for a in answers[2:]], expected, atol=1e-6)
+    names = {name for name, _ in threads}
+    assert "batcher" in names and not any(n.startswith("score") for n in names), threads
+    assert max(size for _, size in threads) > 1, f"no batch formed: {threads}"
+
+
+def test_an_unavailable_store_fails_a_batch_at_once(file_store_url, rows):  # noqa: F811
+    """A coalesced call that finds the store down answers 503 to all its requests, without
+    scoring each again alone (each would wait out the store's timeout once more)."""
+    from embedding_server.stores import StoreUnavailable
+
+    with TestClient(create_app(Settings(store=file_store_url))) as client:
+        service = client.app.state.service
+        sizes = []
+
+        def down(model, inputs):
+            sizes.append(len(inputs[0]))
+            if len(sizes) == 1:
+                time.sleep(0.3)  # the first call holds the batcher: the rest queue behind it
+            raise StoreUnavailable("store down (test)")
+
+        service.score = down
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda r: client.post(PREDICT, json={"instances": [r]}), rows[:12]))
+    assert [a.status_code for a in answers] == [503] * 12, [a.text for a in answers]
+    assert max(sizes) > 1 and len(sizes) < 12, f"model calls of {sizes} examples: a batch was scored again alone"
