@@ -25,6 +25,7 @@ from api.router import router
 from api.service import ModelService
 from api.settings import Settings, get_settings
 from api.v2.router import FAST_HANDLERS as V2_FAST
+from api.v2.router import STAGED as V2_STAGED
 from api.v2.router import router as v2_router
 from embedding_server.stores import ServingStore, open_store
 
@@ -91,7 +92,7 @@ def create_app(
     app.state.routes = openapi.route_table(app)
     if settings.fast_path:  # innermost: inside the body cap, the key check and the request context
         app.add_middleware(FastScoring, routes=app.state.routes, handlers={**V1_FAST, **V2_FAST},
-                           inline_max_bytes=settings.inline_max_bytes, staged=V1_STAGED)
+                           inline_max_bytes=settings.inline_max_bytes, staged={**V1_STAGED, **V2_STAGED})
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequireKey, keys=keys)
     app.add_middleware(RequestContext, access_log=settings.access_log, templates=[p for p, _ in app.state.routes])

@@ -75,8 +75,8 @@ class Staged:
 
     prepare: Callable[[object, dict[str, str], bytes, Headers], object]
     """``(service, path parameters, body, headers) -> Pending`` (``api/service.py``)."""
-    render: Callable[[object], Response]
-    """``Scored -> Response``."""
+    render: Callable[[object, object], Response]
+    """``(Pending, Scored) -> Response``."""
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,8 @@ class FastScoring:
             if await self._alone_and_small(body, service):
                 response = on_loop(route.handler, service, params, body, request.headers)
             elif route.staged is not None and len(body) <= self.inline_max_bytes and service.batcher.running:
-                scored = await service.finish_queued(route.staged.prepare(service, params, body, request.headers))
-                response = route.staged.render(scored)
+                pending = route.staged.prepare(service, params, body, request.headers)
+                response = route.staged.render(pending, await service.finish_queued(pending))
             if response is None:
                 ctx = contextvars.copy_context()  # the request id, for the handler's log lines
                 response = await asyncio.get_running_loop().run_in_executor(

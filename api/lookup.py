@@ -146,10 +146,11 @@ FEW = 16
 """One-hot requests of at most this many examples try the direct gathers below first."""
 
 
-def _few_one_hot(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int) -> bool:
-    """A few examples, one id in every bag (ids [F * B], offsets [F * B + 1] = 0, 1, ..., F * B)."""
+def _few_one_hot(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int, few: int | None = FEW) -> bool:
+    """At most ``few`` examples (None: any number), one id in every bag (ids [F * B], offsets
+    [F * B + 1] = 0, 1, ..., F * B)."""
     n = len(model.feature_tables) * batch
-    return batch <= FEW and len(ids) == n and len(offsets) == n + 1 and int(offsets[-1]) == n and (
+    return (few is None or batch <= few) and len(ids) == n and len(offsets) == n + 1 and int(offsets[-1]) == n and (
         n == 0 or bool((offsets[1:] > offsets[:-1]).all()))
 
 
@@ -162,12 +163,15 @@ def all_cached(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch:
 
 def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
             batch: int, expect: np.ndarray | None = None) -> torch.Tensor | None:
-    """Pooled embeddings float [B, sum(D_f)] of a few one-hot examples gathered straight into one
+    """Pooled embeddings float [B, sum(D_f)] of one-hot examples gathered straight into one
     array (int8 / int4 rows: their bytes, dequantized with numpy): from the tables' mappings
-    (file store; dynamic tables' rows checked against their owners after the gather), or from the
-    row cache when it holds every row (hashed tables only); None: take the general path (a miss,
-    bags, no mapping, a row that holds another id)."""
-    if (model.mapped is None and model.cache is None) or not _few_one_hot(model, ids, offsets, batch):
+    (file store, any number of examples: one gather per table; dynamic tables' rows checked
+    against their owners after the gather), or, for a few examples, from the row cache when it
+    holds every row (hashed tables only); None: take the general path (a miss, bags, no mapping,
+    a row that holds another id)."""
+    if model.mapped is None and model.cache is None:
+        return None
+    if not _few_one_hot(model, ids, offsets, batch, None if model.mapped is not None else FEW):
         return None
     columns = model.stored_columns  # feature f: columns[f]:columns[f + 1] of a row as stored
     if model.mapped is not None:
@@ -194,7 +198,10 @@ def _distinct_rows(model: ServingModel, ids: np.ndarray, batch: int) -> int:
     """Distinct (table, row) pairs of a one-hot batch (ids [F * B], feature-major)."""
     if batch == 1 and model.distinct_tables:  # one row per table
         return len(ids)
-    return len(set(zip(np.repeat(model.feature_tables, batch).tolist(), ids.tolist(), strict=True)))
+    if batch <= FEW:
+        return len(set(zip(np.repeat(model.feature_tables, batch).tolist(), ids.tolist(), strict=True)))
+    keys = (np.repeat(np.asarray(model.feature_tables, dtype=np.int64), batch) << ROW_BITS) | ids
+    return len(np.unique(keys))
 
 
 def _as_float(model: ServingModel, out: np.ndarray) -> np.ndarray:

@@ -100,14 +100,18 @@ FAST_HANDLERS = {
 }
 """The scoring routes as ``api/fastpath.py`` answers them: the same functions as the endpoints below."""
 
+def _render(_, scored: Scored) -> Response:
+    return _json(scored)
+
+
 STAGED = {
-    "/v1/models/{name}:predict": Staged(lambda service, p, body, _: service.prepare_json(p["name"], body, None), _json),
+    "/v1/models/{name}:predict": Staged(lambda service, p, body, _: service.prepare_json(p["name"], body, None), _render),
     "/v1/models/{name}/versions/{version}:predict":
-        Staged(lambda service, p, body, _: service.prepare_json(p["name"], body, p["version"]), _json),
+        Staged(lambda service, p, body, _: service.prepare_json(p["name"], body, p["version"]), _render),
     "/v1/models/{name}:predict_tsv":
-        Staged(lambda service, p, body, _: service.prepare_tsv(p["name"], body, None), _json),
+        Staged(lambda service, p, body, _: service.prepare_tsv(p["name"], body, None), _render),
     "/v1/models/{name}/versions/{version}:predict_tsv":
-        Staged(lambda service, p, body, _: service.prepare_tsv(p["name"], body, p["version"]), _json),
+        Staged(lambda service, p, body, _: service.prepare_tsv(p["name"], body, p["version"]), _render),
 }
 """The same routes split around their model call (``fastpath.Staged``): concurrent small requests."""
 

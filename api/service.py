@@ -41,6 +41,8 @@ class Pending:
     """Its model inputs."""
     kind: str
     """Its input kind (the batch-size metric's label): instances, lines, tensors."""
+    context: object = None
+    """What its protocol needs to render the answer (V2: the parsed request)."""
 
 
 @dataclass
@@ -129,7 +131,7 @@ class ModelService:
         if len(instances) > self.settings.max_instances:
             raise InputError("instances", f"{len(instances)} instances, at most {self.settings.max_instances} per request")
         model = self.resolve(name, version)
-        return self._capped(Pending(model, featurize_instances(model.spec, model.featurizer, instances, model.values),
+        return self.prepared(Pending(model, featurize_instances(model.spec, model.featurizer, instances, model.values),
                                     "instances"))
 
     def predict_tsv(self, name: str, text: bytes, version: str | None = None) -> Scored:
@@ -145,9 +147,9 @@ class ModelService:
         inputs, n = featurize_lines(model.lines, text, self.settings.max_instances)
         if n > self.settings.max_instances:
             raise InputError("body", f"{n} lines, at most {self.settings.max_instances} per request")
-        return self._capped(Pending(model, inputs, "lines"))
+        return self.prepared(Pending(model, inputs, "lines"))
 
-    def _capped(self, pending: Pending) -> Pending:
+    def prepared(self, pending: Pending) -> Pending:
         """``pending`` unless it carries more ids than ``max_ids_per_request``.
 
         Raises:
@@ -158,16 +160,6 @@ class ModelService:
             raise TooLarge("body", f"{n_ids} categorical ids, at most max_ids_per_request={cap} per request "
                                    "(DLRM_MAX_IDS_PER_REQUEST)")
         return pending
-
-    def scored(self, model: ServingModel, inputs: ModelInputs, kind: str) -> Scored:
-        """Score featurised inputs with ``model`` (the reference this request took), batched
-        with concurrent requests' inputs when batching is on.
-
-        Raises:
-            TooLarge: more ids than ``max_ids_per_request``.
-            Offload: a request on the event loop (``api/inline.py``) whose rows are not all cached.
-        """
-        return self.finish(self._capped(Pending(model, inputs, kind)))
 
     def finish(self, pending: Pending) -> Scored:
         """The model call of a prepared request, in this thread (or coalesced with concurrent

@@ -270,14 +270,17 @@ def concurrent_clients(gen: LoadGen, bodies: Path, clients: int, seconds: float)
     return result
 
 
-def batch_sizes(metrics_url: str) -> dict:
-    """Model calls and requests scored so far, from the server's batching histogram."""
+def batch_sizes(metrics_url: str, before: dict | None = None) -> dict:
+    """Model calls and requests scored so far, from the server's batching histogram; ``before``:
+    an earlier reading, subtracted (the calls of the phases in between only)."""
     calls = requests = 0.0
     for line in httpx.get(metrics_url, timeout=10).text.splitlines():
         if line.startswith("dlrm_model_batch_requests_count"):
             calls = float(line.split()[-1])
         elif line.startswith("dlrm_model_batch_requests_sum"):
             requests = float(line.split()[-1])
+    if before is not None:
+        calls, requests = calls - before["model_calls"], requests - before["requests"]
     return {"model_calls": calls, "requests": requests, "mean_requests_per_call": requests / calls if calls else None}
 
 
@@ -299,8 +302,10 @@ def run_server(kind, store_url, args, singles, batch_body, env, loadgen: Path) -
             if "cpu-httpx" in phases:
                 out["cpu_httpx"] = cpu_per_request_httpx(server, url, singles[:1000])
             if "concurrent" in phases:
+                metrics = f"http://127.0.0.1:{args.port}/metrics"
+                before = batch_sizes(metrics)  # (the sweep's and cpu phase's lone requests: calls of one)
                 out["batching_on"] = concurrent_clients(gen, all_singles, 64, args.seconds)
-                out["batching_on_batches"] = batch_sizes(f"http://127.0.0.1:{args.port}/metrics")
+                out["batching_on_batches"] = batch_sizes(metrics, before)
         finally:
             server.stop()
     if "concurrent" in phases:
@@ -467,8 +472,8 @@ def render(r: dict) -> str:
     per_call = {k: r[k]["rounds"][0].get("batching_on_batches", {}).get("mean_requests_per_call")
                 for k in names if k in r and r[k].get("rounds")}
     if any(v is not None for v in per_call.values()):
-        lines += ["", "Requests per model call with batching on, 64 clients (from `dlrm_model_batch_requests`, "
-                  "first round): " + ", ".join(f"{k} {_f(v, '.1f')}" for k, v in per_call.items())]
+        lines += ["", "Requests per model call with batching on, 64 clients (from `dlrm_model_batch_requests` "
+                  "over that phase, first round): " + ", ".join(f"{k} {_f(v, '.1f')}" for k, v in per_call.items())]
     publish = [f"{k[:-len('_publish_s')]} {v:.1f} s" for k, v in r.items() if k.endswith("_publish_s")]
     if publish:
         lines += ["", f"Publishing the model to Redis took: {', '.join(publish)}."]

@@ -140,6 +140,8 @@ def test_direct_paths_predict_as_the_general_ones(kind, row_dtype, trained_crite
     lines = (criteo_sample / "test.txt").read_text().splitlines()[:12]
     bodies = [json.dumps({"instances": [to_instance(line, named=k % 2 == 1)]}).encode() for k, line in enumerate(lines)]
     bodies.append(json.dumps({"instances": [to_instance(line) for line in lines[:3]]}).encode())  # a few at once
+    many = (criteo_sample / "test.txt").read_text().splitlines()[:40]  # more than lookup.FEW: file store only
+    bodies.append(json.dumps({"instances": [to_instance(line) for line in many]}).encode())
     service = ModelService(open_store(url), Settings(store=url), ServingMetrics())
     service.refresh()
     lookups = service.metrics.lookups._value

@@ -4,6 +4,7 @@ extension), pinned versions, errors in the protocol's own shape; V1 and V2 score
 import json
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -270,3 +271,42 @@ def test_tritons_own_client(store_url, lines, tmp_path):
     assert got["binary"] == pytest.approx(full, abs=1e-6) and got["binary_version"] == "new"
     assert got["json"] == pytest.approx(cats, abs=1e-6)
     assert got["pinned_version"] == "old"
+
+
+def test_concurrent_small_infer_requests_are_batched_and_answer_as_alone(client, lines):
+    """Small infer requests arriving together are featurised on the event loop and coalesced by
+    the batcher (``fastpath.Staged``): each answer as alone, with its own id, JSON or binary as
+    asked."""
+    def body(k: int) -> tuple[bytes, dict]:
+        inputs = [t for t in v2_inputs([lines[k]]) if t["datatype"] != "INT64"]
+        if k % 2:
+            return binary_request(inputs, outputs_binary=True)
+        return json.dumps({"id": f"r{k}", "inputs": inputs}).encode(), {"content-type": "application/json"}
+
+    def prediction(r) -> float:
+        if r.headers["content-type"] == "application/octet-stream":
+            n = int(r.headers["Inference-Header-Content-Length"])
+            return float(np.frombuffer(r.content[n:], "<f4")[0])
+        return r.json()["outputs"][0]["data"][0]
+
+    alone = [prediction(client.post("/v2/models/dlrm/infer", content=body(k)[0], headers=body(k)[1])) for k in range(12)]
+    service = client.app.state.service
+    score, sizes = service.score, []
+
+    def slow_first(model, inputs):
+        sizes.append(len(inputs[0]))
+        if len(sizes) == 1:
+            time.sleep(0.3)  # the first call holds the batcher: the rest queue behind it
+        return score(model, inputs)
+
+    service.score = slow_first
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda k: client.post("/v2/models/dlrm/infer", content=body(k)[0],
+                                                          headers=body(k)[1]), range(12)))
+    finally:
+        service.score = score
+    assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers]
+    assert [answers[k].json()["id"] for k in range(0, 12, 2)] == [f"r{k}" for k in range(0, 12, 2)]
+    np.testing.assert_allclose([prediction(a) for a in answers], alone, atol=1e-6)
+    assert max(sizes) > 1, f"no batch formed: {sizes}"

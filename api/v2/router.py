@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from api.decode import infer_request
 from api.errors import InputError, NotReady
 from api.router import ERRORS, ServiceDep
-from api.service import ModelService
+from api.fastpath import Staged
+from api.service import ModelService, Pending, Scored
 from api.v2 import binary
 from api.v2.protocol import (
     OUTPUT,
@@ -113,10 +114,20 @@ def infer_sync(service: ModelService, name: str, version: str | None, body: byte
 
 
 def _infer(service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None) -> Response:
+    pending = _prepare(service, name, version, body, header_length)
+    return _render(pending, service.finish(pending))
+
+
+def _prepare(service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None) -> Pending:
+    """An infer request parsed and featurised, before its model call."""
     model = service.resolve(name, version)
     request, values = _parse(body, header_length)
     inputs, _ = tensors_to_inputs(model, request.inputs, values, service.settings.max_instances)
-    scored = service.scored(model, inputs, "tensors")
+    return service.prepared(Pending(model, inputs, "tensors", (name, request)))
+
+
+def _render(pending: Pending, scored: Scored) -> Response:
+    name, request = pending.context
     n = len(scored.predictions)
     asked = (request.outputs or [None])[0]
     as_binary = binary.wants_binary(request.parameters, asked.parameters if asked else None)
@@ -140,6 +151,15 @@ FAST_HANDLERS = {
                                                      headers.get(binary.HEADER)),
 }
 """The infer routes as ``api/fastpath.py`` answers them: the same function as the endpoints below."""
+
+STAGED = {
+    "/v2/models/{name}/infer": Staged(
+        lambda service, p, body, headers: _prepare(service, p["name"], None, body, headers.get(binary.HEADER)), _render),
+    "/v2/models/{name}/versions/{version}/infer": Staged(
+        lambda service, p, body, headers: _prepare(service, p["name"], p["version"], body, headers.get(binary.HEADER)),
+        _render),
+}
+"""The same routes split around their model call (``fastpath.Staged``): concurrent small requests."""
 
 
 @router.post("/models/{name}/infer", openapi_extra=INFER_BODY, response_model=InferResponse,
