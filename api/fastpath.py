@@ -137,11 +137,14 @@ class FastScoring:
             body = await request.body()
             service = scope["app"].state.service
             response = None
-            if await self._alone_and_small(body, service):
+            if params.get("version") is not None and not service.versions.holds(params["version"]):
+                pass  # a pinned version loaded on first use reads the store: in the pool, below
+            elif await self._alone_and_small(body, service):
                 response = on_loop(route.handler, service, params, body, request.headers)
             elif route.staged is not None and len(body) <= self.inline_max_bytes and service.batcher.running:
-                pending = route.staged.prepare(service, params, body, request.headers)
-                response = route.staged.render(pending, await service.finish_queued(pending))
+                pending = staged_on_loop(route.staged, service, params, body, request.headers)
+                if pending is not None:
+                    response = route.staged.render(pending, await service.finish_queued(pending))
             if response is None:
                 ctx = contextvars.copy_context()  # the request id, for the handler's log lines
                 response = await asyncio.get_running_loop().run_in_executor(
@@ -180,6 +183,17 @@ def on_loop(handler: Handler, service, params: dict[str, str], body: bytes, head
     try:
         with inline.remote_on_loop():
             return handler(service, params, body, headers)
+    except inline.Offload:
+        return None
+
+
+def staged_on_loop(staged: Staged, service, params: dict[str, str], body: bytes, headers: Headers):
+    """The request prepared here on the event loop (``staged.prepare``) -> its ``Pending``; None
+    when preparing it would read the store (a pinned version not loaded yet, whatever the
+    store): the caller hands it to the pool from its body."""
+    try:
+        with inline.remote_on_loop():  # any store read raises Offload here
+            return staged.prepare(service, params, body, headers)
     except inline.Offload:
         return None
 

@@ -100,6 +100,7 @@ FAST_HANDLERS = {
 }
 """The scoring routes as ``api/fastpath.py`` answers them: the same functions as the endpoints below."""
 
+
 def _render(_, scored: Scored) -> Response:
     return _json(scored)
 

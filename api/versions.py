@@ -53,6 +53,11 @@ class Versions:
         """The current version a request found deleted (the next load's reason)."""
 
     # -- requests -----------------------------------------------------------------------------------
+    def holds(self, version: str) -> bool:
+        """Whether ``version`` is loaded (current or pinned): ``get`` returns it without a store read."""
+        current = self.current
+        return (current is not None and current.version == version) or version in self.pinned
+
     def get(self, version: str | None = None) -> ServingModel:
         """The current version (``version`` None), or a pinned one, loaded on first use.
 
@@ -68,7 +73,7 @@ class Versions:
         model = self.pinned.get(version)
         if model is not None:
             return model
-        inline.need_store()  # loading reads the store: not on the event loop for a remote one
+        inline.need_store()  # loading reads the store: not on the event loop (remote stores; staged requests)
         with self._pin_lock:  # one load per version, however many requests wait for it
             model = self.pinned.get(version)
             if model is None:

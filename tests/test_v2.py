@@ -3,6 +3,7 @@ extension), pinned versions, errors in the protocol's own shape; V1 and V2 score
 
 import json
 import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -310,3 +311,27 @@ def test_concurrent_small_infer_requests_are_batched_and_answer_as_alone(client,
     assert [answers[k].json()["id"] for k in range(0, 12, 2)] == [f"r{k}" for k in range(0, 12, 2)]
     np.testing.assert_allclose([prediction(a) for a in answers], alone, atol=1e-6)
     assert max(sizes) > 1, f"no batch formed: {sizes}"
+
+
+def test_a_pinned_version_is_loaded_off_the_event_loop(store_url, lines):
+    """Concurrent small requests for a pinned version not loaded yet: its load (a store read,
+    hundreds of ms) runs in a pool thread, never on the event loop that prepares staged requests;
+    every request gets that version's answer."""
+    with TestClient(create_app(Settings(store=store_url))) as c:
+        versions = c.app.state.service.versions
+        load, threads = versions._load, []
+
+        def recorded(version):
+            threads.append(threading.current_thread().name)
+            time.sleep(0.2)  # requests keep arriving while it loads
+            return load(version)
+
+        versions._load = recorded
+        inputs = v2_inputs(lines[:1])
+        loop_thread = c.portal.call(lambda: threading.current_thread().name)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: c.post("/v2/models/dlrm/versions/old/infer", json={"inputs": inputs}),
+                                    range(8)))
+    assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
+    assert {a.json()["model_version"] for a in answers} == {"old"}
+    assert threads and loop_thread not in threads, (loop_thread, threads)
