@@ -37,6 +37,10 @@ from api.model import ServingModel
 from embedding_server.stores import StoreUnavailable, VersionNotFound
 
 Score = Callable[[ServingModel, ModelInputs], list[float]]
+class BatcherStopped(RuntimeError):
+    """``submit`` after the batcher thread stopped (the server is shutting down)."""
+
+
 SHARED_FAULTS = (StoreUnavailable, VersionNotFound)
 """Failures of a coalesced call that are no single request's: answered to all of its requests."""
 
@@ -149,12 +153,12 @@ class Batcher:
         the thread scores what is queued, also when it stops.
 
         Raises:
-            RuntimeError: the batcher thread is not running.
+            BatcherStopped: the batcher thread is not running.
         """
         job = _Job(model, inputs)
         with self._cond:
             if not self.running:
-                raise RuntimeError("the batcher is not running")
+                raise BatcherStopped("the batcher is not running")
             self._queue.append(job)
             self._cond.notify_all()
         return job.future

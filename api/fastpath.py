@@ -52,6 +52,7 @@ from starlette.responses import Response
 from starlette.routing import compile_path
 
 from api import inline
+from api.batching import BatcherStopped
 from dlrm_core.threads import LazyPool
 
 Handler = Callable[[object, dict[str, str], bytes, Headers], Response]
@@ -144,7 +145,10 @@ class FastScoring:
             elif route.staged is not None and len(body) <= self.inline_max_bytes and service.batcher.running:
                 pending = staged_on_loop(route.staged, service, params, body, request.headers)
                 if pending is not None:
-                    response = route.staged.render(pending, await service.finish_queued(pending))
+                    try:
+                        response = route.staged.render(pending, await service.finish_queued(pending))
+                    except BatcherStopped:  # shutting down since the check: scored in the pool
+                        response = None
             if response is None:
                 ctx = contextvars.copy_context()  # the request id, for the handler's log lines
                 response = await asyncio.get_running_loop().run_in_executor(

@@ -175,3 +175,20 @@ def test_an_unavailable_store_fails_a_batch_at_once(file_store_url, rows):  # no
             answers = list(pool.map(lambda r: client.post(PREDICT, json={"instances": [r]}), rows[:12]))
     assert [a.status_code for a in answers] == [503] * 12, [a.text for a in answers]
     assert max(sizes) > 1 and len(sizes) < 12, f"model calls of {sizes} examples: a batch was scored again alone"
+
+
+def test_submit_after_stop_is_refused_and_queued_jobs_are_scored(file_store_url, rows):  # noqa: F811
+    """Queued jobs are scored when the batcher stops (their futures always resolve); a submit
+    after it stopped is refused with BatcherStopped (the fast path then scores in the pool)."""
+    from api.batching import BatcherStopped
+
+    with TestClient(create_app(Settings(store=file_store_url))) as client:
+        service = client.app.state.service
+        model = service.model
+        inputs = featurize_instances(model.spec, model.featurizer, PredictRequest(instances=rows[:2]).instances)
+        _slow_first_calls(service, 0.3, 1)
+        futures = [service.batcher.submit(model, inputs) for _ in range(3)]
+        service.batcher.stop()
+        assert [len(f.result(timeout=10)) for f in futures] == [2, 2, 2]
+        with pytest.raises(BatcherStopped):
+            service.batcher.submit(model, inputs)
