@@ -137,18 +137,7 @@ class FastScoring:
         try:
             body = await request.body()
             service = scope["app"].state.service
-            response = None
-            if params.get("version") is not None and not service.versions.holds(params["version"]):
-                pass  # a pinned version loaded on first use reads the store: in the pool, below
-            elif await self._alone_and_small(body, service):
-                response = on_loop(route.handler, service, params, body, request.headers)
-            elif route.staged is not None and len(body) <= self.inline_max_bytes and service.batcher.running:
-                pending = staged_on_loop(route.staged, service, params, body, request.headers)
-                if pending is not None:
-                    try:
-                        response = route.staged.render(pending, await service.finish_queued(pending))
-                    except BatcherStopped:  # shutting down since the check: scored in the pool
-                        response = None
+            response = await self._on_loop(route, service, params, body, request.headers)
             if response is None:
                 ctx = contextvars.copy_context()  # the request id, for the handler's log lines
                 response = await asyncio.get_running_loop().run_in_executor(
@@ -165,13 +154,32 @@ class FastScoring:
             self.in_flight -= 1
         await response(scope, receive, send)
 
+    async def _on_loop(self, route: FastRoute, service, params: dict[str, str], body: bytes,
+                       headers: Headers) -> Response | None:
+        """The response of a small request answered here on the event loop (alone: scored here;
+        beside others: prepared here, scored by the batcher thread), or None: the pool's."""
+        if len(body) > self.inline_max_bytes:
+            return None
+        if params.get("version") is not None and not service.versions.holds(params["version"]):
+            return None  # a pinned version loaded on first use reads the store
+        if await self._alone(service):
+            return on_loop(route.handler, service, params, body, headers)
+        if route.staged is None or not service.batcher.running:
+            return None
+        pending = staged_on_loop(route.staged, service, params, body, headers)
+        if pending is None:
+            return None
+        try:
+            return route.staged.render(pending, await service.finish_queued(pending))
+        except BatcherStopped:  # shutting down since the check
+            return None
 
-    async def _alone_and_small(self, body: bytes, service) -> bool:
-        """Whether this request is scored on the loop: small, local store, the only one in flight
-        once the requests that arrived with it have started (a small body is read without
+    async def _alone(self, service) -> bool:
+        """Whether a small request is scored on the loop: a local store or a row cache, the only
+        one in flight once the requests that arrived with it have started (a small body is read without
         yielding: without one pass of the loop, requests arriving together would each find
         themselves alone and run one after another on the loop, never batched)."""
-        if len(body) > self.inline_max_bytes or self.in_flight != 1:
+        if self.in_flight != 1:
             return False
         if service.store.remote and (service.model is None or service.model.cache is None):
             return False  # no row cache: every request reads the store

@@ -146,18 +146,18 @@ FEW = 16
 """One-hot requests of at most this many examples try the direct gathers below first."""
 
 
-def _few_one_hot(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int, few: int | None = FEW) -> bool:
-    """At most ``few`` examples (None: any number), one id in every bag (ids [F * B], offsets
+def _one_hot(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int, most: int | None) -> bool:
+    """At most ``most`` examples (None: any number), one id in every bag (ids [F * B], offsets
     [F * B + 1] = 0, 1, ..., F * B)."""
     n = len(model.feature_tables) * batch
-    return (few is None or batch <= few) and len(ids) == n and len(offsets) == n + 1 and int(offsets[-1]) == n and (
+    return (most is None or batch <= most) and len(ids) == n and len(offsets) == n + 1 and int(offsets[-1]) == n and (
         n == 0 or bool((offsets[1:] > offsets[:-1]).all()))
 
 
 def all_cached(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int) -> bool:
     """Whether a request's rows are all in the row cache, so that ``embed`` takes the direct
     gather and reads nothing from the store (no dynamic table, few one-hot examples)."""
-    return (model.cache is not None and not model.id_maps and _few_one_hot(model, ids, offsets, batch)
+    return (model.cache is not None and not model.id_maps and _one_hot(model, ids, offsets, batch, FEW)
             and model.cache.holds(model.table_names, ids.tolist(), batch))
 
 
@@ -171,22 +171,20 @@ def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offse
     a row that holds another id)."""
     if model.mapped is None and model.cache is None:
         return None
-    if not _few_one_hot(model, ids, offsets, batch, None if model.mapped is not None else FEW):
+    if not _one_hot(model, ids, offsets, batch, None if model.mapped is not None else FEW):
         return None
     columns = model.stored_columns  # feature f: columns[f]:columns[f + 1] of a row as stored
-    if model.mapped is not None:
-        if batch == 1 and model.mapped:  # a row view per feature, one copy of them all (no fancy index per table)
-            out = np.concatenate(list(map(np.ndarray.__getitem__, model.mapped, ids.tolist())))[None]
-        else:
-            out = np.empty((batch, columns[-1]), dtype=NUMPY_DTYPE[model.row_dtype])  # [B, sum W_f]
-            for f, table in enumerate(model.mapped):
-                out[:, columns[f] : columns[f + 1]] = table[ids[f * batch : (f + 1) * batch]]
-        if expect is not None and not _owned(model, ids, expect, batch):
-            return None
+    if model.mapped and batch == 1:  # a row view per feature, one copy of them all (no fancy index per table)
+        out = np.concatenate(list(map(np.ndarray.__getitem__, model.mapped, ids.tolist())))[None]
     else:
         out = np.empty((batch, columns[-1]), dtype=NUMPY_DTYPE[model.row_dtype])  # [B, sum W_f]
-        if expect is not None or not model.cache.gather(model.table_names, ids.tolist(), out, columns):
+        for f, table in enumerate(model.mapped or ()):
+            out[:, columns[f] : columns[f + 1]] = table[ids[f * batch : (f + 1) * batch]]
+    if model.mapped is not None:
+        if expect is not None and not _owned(model, ids, expect, batch):
             return None
+    elif expect is not None or not model.cache.gather(model.table_names, ids.tolist(), out, columns):
+        return None
     distinct = _distinct_rows(model, ids, batch)
     metrics.lookups.inc(distinct)
     if model.cache is not None:

@@ -123,11 +123,8 @@ class ModelService:
         """A V1 JSON body decoded, validated and featurised: everything but the model call."""
         return self._prepare(name, decode.predict_request(body).instances, version)
 
-    def predict(self, name: str, instances: list, version: str | None = None) -> Scored:
-        """Click probabilities of validated JSON instances."""
-        return self.finish(self._prepare(name, instances, version))
-
     def _prepare(self, name: str, instances: list, version: str | None) -> Pending:
+        """Validated JSON instances featurised."""
         if len(instances) > self.settings.max_instances:
             raise InputError("instances", f"{len(instances)} instances, at most {self.settings.max_instances} per request")
         model = self.resolve(name, version)

@@ -137,10 +137,10 @@ def test_direct_paths_predict_as_the_general_ones(kind, row_dtype, trained_crite
     (int8 / int4: fbgemm's IntNBit kernel), to float rounding."""
     url = f"file://{tmp_path / 'store'}" if kind == "file" else redis_server.url + f"?prefix=fastpath-{row_dtype}"
     publish_checkpoint(trained_criteo, open_store(url), version="v1", row_dtype=row_dtype)
-    lines = (criteo_sample / "test.txt").read_text().splitlines()[:12]
+    many = (criteo_sample / "test.txt").read_text().splitlines()[:40]  # 40: more than lookup.FEW (file store only)
+    lines = many[:12]
     bodies = [json.dumps({"instances": [to_instance(line, named=k % 2 == 1)]}).encode() for k, line in enumerate(lines)]
     bodies.append(json.dumps({"instances": [to_instance(line) for line in lines[:3]]}).encode())  # a few at once
-    many = (criteo_sample / "test.txt").read_text().splitlines()[:40]  # more than lookup.FEW: file store only
     bodies.append(json.dumps({"instances": [to_instance(line) for line in many]}).encode())
     service = ModelService(open_store(url), Settings(store=url), ServingMetrics())
     service.refresh()

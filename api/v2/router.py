@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse
 
 from api.decode import infer_request
 from api.errors import InputError, NotReady
-from api.router import ERRORS, ServiceDep
 from api.fastpath import Staged
+from api.router import ERRORS, ServiceDep
 from api.service import ModelService, Pending, Scored
 from api.v2 import binary
 from api.v2.protocol import (
