@@ -13,8 +13,8 @@ Phases (``--phases``), each server fresh:
                 --cpu-seconds (4) of them: the server process's user + system time
                 (/proc/PID/stat, every thread) over the second pass, per request. (Until
                 2026-12-03 a Python httpx client sent them: on the same 2 cores its own work
-                between requests left the server's caches cold, which read 14-73% more server
-                CPU per request, and noisier, than this client on the same server; phase
+                between requests left the server's caches cold, which read more server CPU
+                per request, and noisier, than this client on the same server; phase
                 cpu-httpx, not run by default, measures that way beside it.)
     sweep       capacity: open loop of single-instance requests at rising rates (latency from
                 each scheduled send time: no coordinated omission); the highest rate whose p99
