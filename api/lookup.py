@@ -3,8 +3,8 @@ row cache, the misses of every table to the store in one round trip, the table's
 where the store lacks one (a row missing from a version the store still holds: a deleted version
 raises instead); then each feature's bags are pooled as in training. A dynamic table's raw ids
 first become rows through the version's id map (sorted ids, ``searchsorted``): an id it does not
-hold reads its shared row, hash(id) % S (S from the version's spec), as in training's
-evaluation, and is counted."""
+hold reads its shared row, hash(id) % S (S from the version's spec; placed by the version's
+``id_pieces`` when the table was split by rows), as in training's evaluation, and is counted."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import torch.nn.functional as nnf
 from api import inline
 from api.metrics import ServingMetrics
 from api.model import ServingModel
-from embedding_server.idmap.dynamic import shared_rows_of
 from embedding_server.idmap.view import NO_OWNER
 from embedding_server.stores import ServingStore
 from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, dequantize_rows
@@ -47,7 +46,7 @@ def dynamic_rows(model: ServingModel, metrics: ServingMetrics | None, ids: np.nd
         if demote is not None:
             rows = np.where(demote[lo:hi], -1, rows)
         known = rows >= 0
-        shared = shared_rows_of(torch.from_numpy(np.ascontiguousarray(raw)), table.shared_row_count).numpy()
+        shared = model.layouts[name].shared_row(torch.from_numpy(np.ascontiguousarray(raw))).numpy()
         out[lo:hi] = np.where(known, rows, shared)
         expect[lo:hi] = np.where(known, raw, NO_OWNER)
         if metrics is not None and not known.all():

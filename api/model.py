@@ -13,6 +13,7 @@ from dlrm_core.featurize import Featurizer
 from dlrm_core.featurize_values import ValueFeaturizer
 from dlrm_core.formats import LineParser
 from dlrm_core.schema import FeatureSpec
+from embedding_server.idmap.pieces import PieceLayout
 from embedding_server.idmap.view import IdMapView
 from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, ModelVersion, encode_rows, row_width
 
@@ -90,6 +91,9 @@ class ServingModel:
         self.table_names = [self.spec.tables[t].name for t in self.feature_tables]
         self.id_maps = id_maps or {}
         """Dynamic tables' id maps (base and live updates' overlay), by table name."""
+        self.layouts = {t.name: PieceLayout.of(t.rows, t.dynamic, meta.id_pieces.get(t.name, 1), t.name)
+                        for t in meta.spec.tables if t.dynamic is not None}
+        """Dynamic tables: where an id without a row finds its shared row (``idmap/pieces.py``)."""
         self.owners = None
         """Per feature, its dynamic table's owners mapping (file store: int64 [R]) or None; None
         where a dynamic table has none (the direct gather then checks nothing: it is skipped)."""

@@ -13,7 +13,8 @@
          remap, as beside a dense step on a GPU);
      (b) E2,T2: 2 embedding servers + 2 trainers as local processes over Gloo (as
          distributed_throughput.py launches them, --pipeline exact), one launch per system and
-         round, interleaved, medians quoted.
+         round, interleaved, medians quoted; whole tables, and every table split by rows over
+         both servers (a dynamic table's ids routed by hash; cost against hashed split alike).
    Reported: samples/s, cost vs hashed, ids admitted and evicted per timed step (all tables),
    whether the tables were full when timing began.
 2. Bounded memory: a stream of 10M distinct ids (one table of 100k rows, 200k ids a step, a tenth
@@ -21,8 +22,8 @@
    capacity) and the process's RSS over the stream.
 
 Usage: python bench/dynamic_ids.py [--rows 20000] [--vocab 1000000] [--steps 15] [--rounds 2]
-       [--dist-rounds 2] [--skip memory,single,spare,dist]
-Writes bench/results/dynamic_ids.{json,md}.
+       [--dist-rounds 2] [--skip memory,single,spare,dist] [--tag NAME]
+Writes bench/results/dynamic_ids{_TAG}.{json,md}.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ T, DIM, BATCH, NUM_DENSE = 26, 64, 2048, 13
 SYSTEMS = {"hashed": {}, "dynamic, lru": {"ids": "dynamic", "evict": "lru"},
            "dynamic, lfu": {"ids": "dynamic", "evict": "lfu"}}
 """Name -> the [embedding] settings of that system (hashed: none)."""
+DIST_SYSTEMS = {**{name: (ids, "auto") for name, ids in SYSTEMS.items()},
+                "hashed, split by rows": ({}, "row_wise"),
+                "dynamic, lru, split by rows": (SYSTEMS["dynamic, lru"], "row_wise")}
+"""E2,T2: name -> (its [embedding] settings, placement): whole tables, or every table split by
+rows over the two servers (a dynamic table's ids then routed by hash: ``idmap/pieces.py``)."""
 
 
 def make_batches(vocab: int, rows: int, n: int, seed: int = 0):
@@ -139,8 +145,9 @@ def capacity(args) -> int:
 
 
 def with_cost(out: dict) -> dict:
-    base = out["hashed"]["samples_per_s"]
-    for row in out.values():
+    """Each system's cost against hashed ids placed the same way."""
+    for name, row in out.items():
+        base = out["hashed, split by rows" if name.endswith("split by rows") else "hashed"]["samples_per_s"]
         row["cost_vs_hashed"] = 1 - row["samples_per_s"] / base
     return out
 
@@ -174,16 +181,17 @@ def dist_rank(rank: int, name: str, args, port: int, out: str) -> None:
     roles = Roles(2, 2)
     cluster = join(roles, 120, rank)
     torch.set_num_threads(rank_threads(roles, rank))
-    cfg = bench_config(args.rows, SYSTEMS[name], 2, 2)
+    ids, placement = DIST_SYSTEMS[name]
+    cfg = bench_config(args.rows, ids, 2, 2)
     spec = cfg.feature_spec()
-    plan = plan_sharding(spec, 2, "rowwise_adagrad", "auto")
+    plan = plan_sharding(spec, 2, "rowwise_adagrad", placement)
     cluster.transport = open_transport(cluster, ids_dtype(wire_id_bound(plan, spec)))
     total = args.warmup + args.steps
     if cluster.is_trainer:
         client = DistributedEmbeddingClient(cluster, plan, spec, 0.5, "fp32", corrected=True)
         trainer = Trainer(cfg, Path(tempfile.mkdtemp()), client=client, cluster=cluster)
         raw, hashed = make_batches(args.vocab, args.rows, total)
-        data = [b.share(rank, 2) for b in (raw if SYSTEMS[name] else hashed)]
+        data = [b.share(rank, 2) for b in (raw if ids else hashed)]
         times = []
         for i in range(total):
             ahead = data[i + 1].sparse if i + 1 < total else None
@@ -213,17 +221,17 @@ def distributed(args) -> dict:
     """(b) E2,T2, one launch per system and round, the systems interleaved; medians of the
     rounds' median steps."""
     from dense_trainer.distributed import free_port
+    from embedding_server.idmap.remap import merge_piece_stats
 
-    runs: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+    runs: dict[str, list[dict]] = {name: [] for name in DIST_SYSTEMS}
     for r in range(args.dist_rounds):
-        for name in SYSTEMS:
+        for name in DIST_SYSTEMS:
             print(f"E2,T2 round {r + 1}/{args.dist_rounds}: {name}", file=sys.stderr, flush=True)
             path = Path(tempfile.mkdtemp()) / "result.json"
             mp.start_processes(dist_rank, args=(name, args, free_port(), str(path)), nprocs=4, start_method="spawn",
                                join=True)
             ranks = json.loads(path.read_text())
-            warm = {k: v for r in ranks[2:] for k, v in r["warm"].items()}
-            end = {k: v for r in ranks[2:] for k, v in r["end"].items()}
+            warm, end = (merge_piece_stats([r[key] for r in ranks[2:]]) for key in ("warm", "end"))
             runs[name].append({"step": statistics.median(ranks[0]["step_s"]),
                                **churn(totals(warm), totals(end), args.steps, capacity(args))})
     out = {}
@@ -263,6 +271,7 @@ def main() -> None:
     p.add_argument("--stream-ids", type=int, default=10_000_000)
     p.add_argument("--skip", default="", help="comma-separated parts not to run: memory, single, spare, dist")
     p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--tag", default="", help="suffix of the result files (e.g. dist, for a run of one part)")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
@@ -280,9 +289,10 @@ def main() -> None:
         result["E2,T2"] = distributed(args)
     result["loadavg_end"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dynamic_ids.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = "dynamic_ids" + (f"_{args.tag}" if args.tag else "")
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = render(result)
-    (args.out / "dynamic_ids.md").write_text(md)
+    (args.out / f"{name}.md").write_text(md)
     print(md)
 
 

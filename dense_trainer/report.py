@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from dense_trainer.checkpointing import TrainState
 from dense_trainer.plots import plot_curves
+from embedding_server.idmap.remap import merge_piece_stats
 
 
 def peak_rss_mb() -> float:
@@ -72,7 +73,7 @@ def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
     if cluster_stats is not None:
         metrics.update(cluster_metrics(cluster_stats, sum(trainer.client.output_dims()), len(trainer.spec.tables), s))
     servers = [r.get("ids", {}) for r in (cluster_stats or {}).get("ranks", []) if "server" in r]
-    metrics.update(id_metrics({k: v for part in [trainer.client.id_stats(), *servers] for k, v in part.items()}))
+    metrics.update(id_metrics(merge_piece_stats([trainer.client.id_stats(), *servers])))
     if trainer.live is not None:
         metrics["live_updates"] = trainer.live.stats([r["live"] for r in (cluster_stats or {}).get("ranks", [])
                                                       if "live" in r])

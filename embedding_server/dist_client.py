@@ -38,7 +38,7 @@ from embedding_server.client import EmbeddingClient
 from embedding_server.cluster import Cluster
 from embedding_server.correction import message_capacity, patch
 from embedding_server.planner import ShardingPlan, wire_id_bound
-from embedding_server.sharding import SCHEMES
+from embedding_server.sharding import scheme_for
 from embedding_server.table_snapshot import CutRequest
 from embedding_server.transport import CORRECT, GRADS, POOLED, Pending
 from embedding_server.wire import EXCHANGE_DTYPES, Command, id_message, ids_dtype, pack_ids
@@ -145,7 +145,7 @@ class FlatStage:
         feats = []
         for f, pieces in enumerate(self.feature_pieces):
             table = self.spec.table_of(f)
-            feats.append(SCHEMES[pieces[0].kind].combine([slot_out[(f, id(p))] for p in pieces], bag_lengths[f], table))
+            feats.append(scheme_for(pieces[0].kind, table).combine([slot_out[(f, id(p))] for p in pieces], bag_lengths[f], table))
         return torch.cat(feats, dim=1)
 
     def _assemble_columns(self, received: list[torch.Tensor], b: int) -> torch.Tensor:
@@ -172,7 +172,7 @@ class FlatStage:
             table = self.spec.table_of(f)
             g = grad[:, col : col + table.dim]
             col += table.dim
-            for p, gp in zip(pieces, SCHEMES[pieces[0].kind].split_grad(g, bag_lengths[f], pieces, table), strict=True):
+            for p, gp in zip(pieces, scheme_for(pieces[0].kind, table).split_grad(g, bag_lengths[f], pieces, table), strict=True):
                 per_slot[(f, id(p))] = gp
         per_server = [torch.cat([per_slot[(f, id(p))] for f, p in slots], dim=1) if slots else None
                       for slots in self.server_slots]
@@ -279,7 +279,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
             lengths = offsets[1:] - offsets[:-1]  # [B]
             bag_lengths.append(lengths)
             table = self.spec.table_of(f)
-            for piece, part in zip(pieces, SCHEMES[pieces[0].kind].route(values, lengths, pieces, table), strict=True):
+            for piece, part in zip(pieces, scheme_for(pieces[0].kind, table).route(values, lengths, pieces, table), strict=True):
                 routed[(f, id(piece))] = part
         payloads = [pack_ids([routed[(f, id(p))] for f, p in slots], self.id_dtype) for slots in self.server_slots]
         return payloads, bag_lengths

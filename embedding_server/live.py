@@ -94,8 +94,10 @@ class LivePusher:
             ids = np.concatenate([new[came], old[gone]])  # the admitted first: they win below
             rows = np.concatenate([slots[came], np.full(int(gone.sum()), -1, np.int64)])
             ids, first = np.unique(ids, return_index=True)
-            out[table] = IdMapDelta(ids, rows[first], slots, new)
             piece = next(i for i, (name, _, _) in enumerate(self.pieces) if name == table)
+            start = self.pieces[piece][1]  # a piece of a table split by rows: its rows are global + start
+            rows = rows[first]
+            out[table] = IdMapDelta(ids, np.where(rows >= 0, rows + start, -1), slots + start, new)
             self.dirty[piece][slots[came]] = True  # a new id's row goes with its map entry
         self._owners = now
         return out

@@ -34,6 +34,9 @@ class LocalTable:
     pooling: str | None = None
     """Pooling of the piece, when it differs from the table's (row-wise pieces of a mean-pooled
     table pool with sum; the trainer divides by the whole bag's length)."""
+    row_pieces: int = 1
+    """Row blocks the table is split in (a dynamic table's ids are routed over them by hash:
+    ``idmap/pieces.py``)."""
 
     @property
     def spec(self) -> TableSpec:

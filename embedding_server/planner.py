@@ -4,7 +4,8 @@ Three placements, as TorchRec names them, each in its own module under ``shardin
 
 * table-wise: a whole table on one server;
 * row-wise: a table's rows split in contiguous blocks over all servers (for tables too large,
-  or too hot, for one server);
+  or too hot, for one server); a dynamic table's ids are then routed by hash
+  (``idmap/pieces.py``, ``sharding/hash_routed.py``);
 * column-wise: a table's dims split over servers (each server holds every row, some columns).
 
 The automatic plan places tables whole, largest first, on the server with the least expected
@@ -15,7 +16,6 @@ the table and the shortfall.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Literal
 
@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from dlrm_core.errors import ConfigError
 from dlrm_core.schema import FeatureSpec, TableSpec
+from embedding_server.idmap.pieces import PieceLayout, row_blocks
 from embedding_server.local_table import LocalTable
 from embedding_server.optimizers import SparseOptimizerKind, state_bytes_per_row
 
@@ -41,10 +42,14 @@ class Piece(BaseModel):
     rows: int
     col_start: int
     dim: int
+    row_pieces: int = 1
+    """Row blocks of the table (row-wise: one per server; a dynamic table's ids are routed over
+    them by hash, ``idmap/pieces.py``)."""
 
     def local_table(self, table: TableSpec) -> LocalTable:
         pooling = "sum" if self.kind == "row_wise" else None  # the trainer normalises means
-        return LocalTable(table, self.table_index, self.row_start, self.col_start, self.rows, self.dim, pooling)
+        return LocalTable(table, self.table_index, self.row_start, self.col_start, self.rows, self.dim, pooling,
+                          self.row_pieces)
 
 
 class ShardingPlan(BaseModel):
@@ -124,11 +129,6 @@ def piece_bytes(rows: int, dim: int, optimizer: SparseOptimizerKind) -> int:
     return rows * (dim * 4 + state_bytes_per_row(optimizer, dim))
 
 
-def _row_blocks(rows: int, parts: int) -> list[tuple[int, int]]:
-    block = math.ceil(rows / parts)
-    return [(s, min(block, rows - s)) for s in range(0, rows, block)]
-
-
 def _col_blocks(dim: int, parts: int) -> list[tuple[int, int]]:
     """Split dims in multiples of 4 (fbgemm's granularity) over at most ``parts`` pieces."""
     units = max(1, dim // 4)
@@ -139,13 +139,11 @@ def _col_blocks(dim: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(starts, sizes, strict=True))
 
 
-def _check_row_wise(table: TableSpec) -> None:
-    """A dynamic table's rows belong to ids, not to row ranges: it is never split by rows."""
+def _check_row_wise(table: TableSpec, parts: int) -> None:
+    """A dynamic table split by rows has its ids routed by hash (``idmap/pieces.py``): every piece
+    needs a shared row and a row for an admitted id."""
     if table.dynamic is not None:
-        raise ConfigError(
-            f"table {table.name} has dynamic ids and cannot be split row-wise: place it whole "
-            f"(--sharding table_wise or column_wise) or raise --server-memory"
-        )
+        PieceLayout.of(table.rows, table.dynamic, parts, table.name)
 
 
 def plan_sharding(
@@ -175,15 +173,15 @@ def plan_sharding(
     work = [0.0] * num_servers
     pieces: list[Piece] = []
 
-    def add(t: int, table: TableSpec, server: int, kind, r0, rows, c0, dim, share: float) -> None:
+    def add(t: int, table: TableSpec, server: int, kind, r0, rows, c0, dim, share: float, parts: int = 1) -> None:
         pieces.append(Piece(table=table.name, table_index=t, server=server, kind=kind,
-                            row_start=r0, rows=rows, col_start=c0, dim=dim))
+                            row_start=r0, rows=rows, col_start=c0, dim=dim, row_pieces=parts))
         used[server] += piece_bytes(rows, dim, optimizer)
         work[server] += factors[t] * share * dim
 
     def row_wise(t: int, table: TableSpec) -> None:
-        _check_row_wise(table)
-        blocks = _row_blocks(table.rows, num_servers)
+        blocks = row_blocks(table.rows, num_servers)
+        _check_row_wise(table, len(blocks))
         for server, (_, rows) in enumerate(blocks):
             need = piece_bytes(rows, table.dim, optimizer)
             if used[server] + need > budget:
@@ -193,7 +191,7 @@ def plan_sharding(
                     f"{_fmt(used[server] + need - budget)} short (add servers or raise --server-memory)"
                 )
         for server, (r0, rows) in enumerate(blocks):
-            add(t, table, server, "row_wise", r0, rows, 0, table.dim, rows / table.rows)
+            add(t, table, server, "row_wise", r0, rows, 0, table.dim, rows / table.rows, len(blocks))
 
     order = sorted(range(len(spec.tables)), key=lambda i: -piece_bytes(spec.tables[i].rows, spec.tables[i].dim, optimizer))
     for t in order:

@@ -2,7 +2,8 @@
 
 Tables are streamed in chunks of rows from the memory-mapped checkpoint, so memory stays bounded
 whatever their size. A dynamic table also carries its id map (admitted ids, sorted, and their
-rows), which serving searches to find an id's row (its shared row, hash(id) % S, for any other id). While streaming, each table's *default embedding* (what serving returns for
+rows), which serving searches to find an id's row (its shared row, hash(id) % S, for any other id;
+a table split by rows over servers records its pieces, ``id_pieces``, that rule's layout). While streaming, each table's *default embedding* (what serving returns for
 a row missing from the store) is computed as the mean of its trained rows: rows whose weights
 differ from their (re-generated, seeded) initial values.
 """
@@ -47,13 +48,18 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def published_id_map(tables: CheckpointTables, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """A dynamic table's admitted ids, sorted, and their rows (int64 [n] each), from a checkpoint."""
-    state = tables.id_map(name)
-    if not state:
-        raise CheckpointError(f"checkpoint {tables.path}: dynamic table {name} has no id map")
-    keys, slots = state[f"{name}.idmap.table.keys"], state[f"{name}.idmap.table.slots"]
-    live = slots >= 0
-    ids, rows = keys[live].numpy(), slots[live].numpy()
+    """A dynamic table's admitted ids, sorted, and their global rows (int64 [n] each), from a
+    checkpoint: the union of its row pieces' maps, when it is split by rows (``idmap/pieces.py``)."""
+    ids, rows = [], []
+    for start, n in tables.row_pieces(name):
+        state = tables.id_map(name, start, n)
+        if not state:
+            raise CheckpointError(f"checkpoint {tables.path}: dynamic table {name} has no id map")
+        keys, slots = state[f"{name}.idmap.table.keys"], state[f"{name}.idmap.table.slots"]
+        live = slots >= 0
+        ids.append(keys[live].numpy())
+        rows.append(slots[live].numpy() + start)
+    ids, rows = np.concatenate(ids), np.concatenate(rows)
     order = np.argsort(ids, kind="stable")
     return ids[order].astype(np.int64), rows[order].astype(np.int64)
 
@@ -91,9 +97,11 @@ def publish_checkpoint(
                  **{f"towers.{t}.{k}": v for t, state in enumerate(modules) for k, v in state.items()}}
     else:
         towers = None
+    id_pieces = {t.name: len(tables.row_pieces(t.name)) for t in spec.tables if t.dynamic is not None}
     out = ModelVersion(
         version=name, step=step, spec=spec, model=meta["model"], embedding_dim=meta["embedding_dim"],
         row_dtype=row_dtype, source=str(path), towers=towers,
+        id_pieces={t: n for t, n in id_pieces.items() if n > 1},
     )
     t0 = time.perf_counter()
     with store.begin(out) as writer:

@@ -299,6 +299,10 @@ class _TouchedSet:
         part, i = self.where[piece]
         part.restored(i, ids, step)
 
+    def mark(self, piece: int, ids: torch.Tensor) -> None:
+        part, i = self.where[piece]
+        part.mark(i, ids)
+
     def close_cut(self, step: int) -> None:
         for part in self.parts:
             part.close_cut(step)

@@ -27,6 +27,8 @@ import torch
 from dlrm_core.errors import CheckpointError
 from dlrm_core.schema import TableSpec
 from embedding_server.checkpoint import checkpoint_chain, load_file, read_manifest
+from embedding_server.idmap.pieces import PieceLayout
+from embedding_server.idmap.reshard import move_piece
 from embedding_server.local_table import INIT_BLOCK_ROWS, LocalTable, init_rows
 
 CHUNK_ROWS = 16 * INIT_BLOCK_ROWS
@@ -223,22 +225,68 @@ class CheckpointTables:
             for state in ("weight", *state_names):
                 out[f"{name}.{state}"] = self.read(name, state, local.row_start, spec.rows, local.col_start, spec.dim)
             if local.table.dynamic is not None:
-                out.update(self.id_map(name))
+                out.update(self.id_map(name, local.row_start, spec.rows))
         return out
 
-    def id_map(self, table: str) -> dict[str, torch.Tensor]:
+    def id_map(self, table: str, row_start: int = 0, rows: int | None = None) -> dict[str, torch.Tensor]:
         """A dynamic table's id map as of the checkpoint, ``<table>.idmap.<name>`` -> tensor
-        (every cut writes it whole; column pieces of a table hold identical maps). Empty when
-        the checkpoint has none."""
+        (every cut writes it whole; column pieces of a table hold identical maps); of its piece
+        of rows [row_start, +rows) when it is split by rows (each piece maps its own ids). Empty
+        when the checkpoint has none.
+
+        Raises:
+            CheckpointError: the checkpoint split the table's rows otherwise (its ids would
+                have to move between pieces).
+        """
+        saved, n = self.row_pieces(table), rows or self.tables[table].rows
+        if saved and (row_start, n) not in saved:
+            raise CheckpointError(
+                f"checkpoint {self.path}: dynamic table {table} has no piece of rows {row_start}..{row_start + n} "
+                f"(it is split by rows over {len(saved)} piece(s) there): restore it with load_into, which "
+                f"moves its ids between pieces")
         for layer in reversed(self.layers):
             for p in layer.get(table, []):
-                if p.file is None or p.legacy is not None:
+                if p.file is None or p.legacy is not None or p.row_start != row_start:
                     continue
                 payload = self._load(p.layer, p.file)
                 maps = {f"{table}.{k}": v for k, v in payload.items() if k.startswith("idmap.")}
                 if maps:
                     return maps
         return {}
+
+    def moves_ids(self, local: LocalTable) -> bool:
+        """Whether ``local`` is a piece of a dynamic table that the checkpoint split by rows
+        otherwise (its ids then move between pieces: ``idmap/reshard.py``)."""
+        table = local.table
+        if table.dynamic is None or table.name not in self.tables:
+            return False
+        saved = PieceLayout.of(table.rows, table.dynamic, len(self.row_pieces(table.name)), table.name)
+        return saved != PieceLayout.of(table.rows, table.dynamic, local.row_pieces, table.name)
+
+    def _load_moved(self, state: dict[str, torch.Tensor], shard, i: int, local: LocalTable) -> dict[str, torch.Tensor]:
+        """Piece ``i`` of ``shard`` restored from a checkpoint that split its dynamic table otherwise:
+        its rows from wherever their ids (and shared indices) were, one old piece's chunk at a
+        time; -> its id map. Every row of it is written by the next checkpoint (their global rows
+        hold other ids' rows in this one)."""
+        spec, name = local.spec, local.table.name
+        plan = move_piece(self, local)
+        for st in ("weight", *shard.state_names()):
+            dst = state[f"{name}.{st}"]
+            for start, n in self.row_pieces(name):
+                for c in range(start, start + n, CHUNK_ROWS):
+                    m = min(CHUNK_ROWS, start + n - c)
+                    sel = (plan.sources >= c) & (plan.sources < c + m)
+                    if bool(sel.any()):
+                        part = self.read(name, st, c, m, local.col_start, spec.dim)
+                        dst[plan.targets[sel]] = part[plan.sources[sel] - c].to(dst.dtype)
+        shard.touched.mark(i, torch.arange(spec.rows))
+        return plan.state
+
+    def row_pieces(self, table: str) -> list[tuple[int, int]]:
+        """(first row, rows) of each row block of ``table`` in the newest checkpoint of the chain
+        (one for a whole or column-split table), in order; empty when it holds no such table."""
+        pieces = self.layers[-1].get(table, []) if self.layers else []
+        return sorted({(p.row_start, p.rows) for p in pieces})
 
     @torch.no_grad()
     def load_into(self, shard) -> None:
@@ -248,8 +296,12 @@ class CheckpointTables:
         same_init = (self.init is not None and shard.touched.count() == 0 and shard.seed == self.init["seed"]
                      and shard.init_scale == self.init["init_scale"])
         state = shard.export_state()  # views
+        moved: dict[str, dict[str, torch.Tensor]] = {}  # dynamic tables split otherwise: their maps
         for i, local in enumerate(shard.local_tables):
             spec, name = local.spec, local.table.name
+            if self.moves_ids(local):
+                moved[name] = self._load_moved(state, shard, i, local)
+                continue
             saved = self.saved_rows(name, local.row_start, spec.rows)
             for st in ("weight", *shard.state_names()):
                 dst = state[f"{name}.{st}"]
@@ -263,8 +315,9 @@ class CheckpointTables:
                     else:
                         dst[r : r + n] = self.read(name, st, local.row_start + r, n, local.col_start, spec.dim)
             shard.touched.restored(i, saved, self.last_step)
-        dynamic = [local.table.name for local in shard.local_tables if local.table.dynamic is not None]
+        dynamic = [local for local in shard.local_tables if local.table.dynamic is not None]
         if dynamic:  # their id maps
-            shard.load_id_maps({k: v for name in dynamic for k, v in self.id_map(name).items()})
+            shard.load_id_maps({k: v for local in dynamic for k, v in (
+                moved.get(local.table.name) or self.id_map(local.table.name, local.row_start, local.spec.rows)).items()})
         for kernel in shard.kernels:
             kernel.step = self.step

@@ -56,6 +56,9 @@ class ModelVersion(BaseModel):
     with the id maps: readers check a row against the id their map gives it (live updates move
     ids between rows). False: a version published before owners were stored, whose maps never
     change: nothing to check."""
+    id_pieces: dict[str, int] = {}
+    """Dynamic tables split by rows over embedding servers: table -> its row pieces, whose layout
+    places an id's shared row (``embedding_server/idmap/pieces.py``); a table not listed: one."""
     towers: dict[str, Any] | None = None
     """A compressed tower model's towers (features, c_t) and output dim D': the dense weights
     then hold the tower modules (``towers.<t>.*``) and the trainers' network (``net.*``)."""

@@ -2,7 +2,7 @@
 a slot freed from one id and given to another never serves the old id the new id's row (even on
 a replica whose map lags); after a training run with churning ids, a replica that followed the
 updates serves exactly what offline evaluation of the final model computes (file and Redis
-stores, one process and two embedding servers)."""
+stores, one process and two embedding servers, whole tables and tables split by rows)."""
 
 import json
 import time
@@ -24,6 +24,7 @@ from dense_trainer.train import Trainer
 from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.idmap.dynamic import shared_rows_of
 from embedding_server.idmap.view import NO_OWNER, IdMapDelta, IdMapView
+from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import open_store
 
 from .conftest import tiny_config
@@ -143,20 +144,34 @@ def caught_up(client, store, timeout_s: float = 30.0) -> dict:
     raise AssertionError(f"the replica did not reach generation {target} of {version}")
 
 
-def served_equals_offline(url: str, client, data, run_dir, cfg) -> None:
-    store = open_store(url)
-    state = caught_up(client, store)
-    model = state["model"]
-    assert state["generation"] >= 3  # pushes happened during the run, the replica followed them
-    lines = (data / "test.txt").read_text().splitlines(keepends=True)
+def served_lines(client, test_file) -> np.ndarray:
+    lines = test_file.read_text().splitlines(keepends=True)
     served = []
     for at in range(0, len(lines), 2500):  # requests of at most 4096 lines
         r = client.post("/v1/models/dlrm:predict_tsv", content="".join(lines[at : at + 2500]),
                         headers={"content-type": "text/plain"})
         assert r.status_code == 200, r.text
         served += r.json()["predictions"]
-    expected = offline_probabilities(cfg, run_dir, data / "test.txt")
-    np.testing.assert_allclose(np.array(served), expected, atol=1e-5)
+    return np.array(served)
+
+
+def served_equals_offline(url: str, client, data, run_dir, cfg) -> None:
+    """The replica that followed the live updates serves what the final checkpoint computes:
+    offline evaluation in one process, or, for tables split by rows over servers (which one
+    process does not load), the checkpoint published and served afresh."""
+    store = open_store(url)
+    state = caught_up(client, store)
+    model = state["model"]
+    assert state["generation"] >= 3  # pushes happened during the run, the replica followed them
+    served = served_lines(client, data / "test.txt")
+    if cfg.dist.sharding == "row_wise":
+        fresh = f"file://{run_dir / 'published'}"
+        publish_checkpoint(run_dir, open_store(fresh), version="final")
+        with TestClient(create_app(Settings(store=fresh))) as other:
+            expected = served_lines(other, data / "test.txt")
+    else:
+        expected = offline_probabilities(cfg, run_dir, data / "test.txt")
+    np.testing.assert_allclose(served, expected, atol=1e-5)
     metrics = client.get("/metrics").text
     assert 'dlrm_model_reloads_total{reason="lost"}' not in metrics or \
         'dlrm_model_reloads_total{reason="lost"} 0.0' in metrics
@@ -187,14 +202,16 @@ def test_live_training_with_churning_ids_serves_the_final_model(synth_small, tmp
 
 
 @pytest.mark.slow
-def test_distributed_live_training_with_churning_ids_serves_the_final_model(synth_small, tmp_path, request):
-    """Two embedding servers pushing to Redis."""
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_distributed_live_training_with_churning_ids_serves_the_final_model(synth_small, tmp_path, request, sharding):
+    """Two embedding servers pushing to Redis: whole tables, or every table split by rows (each
+    server pushing its pieces' map changes in global rows)."""
     from dense_trainer.distributed import launch_local
 
     url = store_url("redis", tmp_path, request)
     cfg = tiny_config(embedding=CHURN, train={"batch_size": 128},
                       live={"store": url, "push_every_s": 0.1, "dense_every_s": 0.5},
-                      dist={"embedding_servers": 2, "trainers": 1})
+                      dist={"embedding_servers": 2, "trainers": 1, "sharding": sharding})
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.05))) as client:
         launch_local(cfg, [synth_small / "train.txt"], [synth_small / "test.txt"], tmp_path / "run", resume=False)
         written = json.loads((tmp_path / "run" / "metrics.json").read_text())

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from dlrm_core.errors import ConfigError
-from dlrm_core.schema import TableSpec, criteo_spec
+from dlrm_core.schema import DynamicIds, FeatureSpec, TableSpec, criteo_spec
+from embedding_server.idmap.dynamic import shared_rows_of
+from embedding_server.idmap.pieces import PieceLayout
 from embedding_server.planner import Piece, describe_plan, parse_bytes, plan_sharding
-from embedding_server.sharding import column_wise, row_wise, table_wise
+from embedding_server.sharding import column_wise, hash_routed, row_wise, table_wise
 from embedding_server.wire import pack_ids, unpack_ids
 
 SPEC = criteo_spec([1000] * 20 + [100_000] * 6, [16] * 26)
@@ -98,3 +100,25 @@ def test_id_payload_round_trip():
     assert [t.tolist() for t in unpack_ids(one_hot, batch=2, num_pieces=1)[0]] == [[4, 9], [1, 1]]
     for (v, ln), (v2, ln2) in zip(parts, back, strict=True):
         assert torch.equal(v, v2) and torch.equal(ln, ln2)
+
+
+def test_dynamic_tables_split_by_rows_route_each_id_to_its_shared_row():
+    dynamic = DynamicIds(shared_rows=0.1)
+    spec = FeatureSpec(dense=[], tables=[TableSpec(name="C1", rows=10_000, dim=8, dynamic=dynamic)])
+    plan = plan_sharding(spec, 3, "rowwise_adagrad", "auto", server_memory=parse_bytes("200KB"))
+    pieces = plan.pieces_of("C1")
+    assert [(p.kind, p.row_pieces) for p in pieces] == [("row_wise", 3)] * 3
+    layout = PieceLayout.of(10_000, dynamic, 3)
+    ids = torch.randint(-(2**62), 2**62, (60_000,))
+    where, shared = layout.piece_of(ids), layout.shared_row(ids)
+    starts, s_starts = torch.tensor(layout.row_starts), torch.tensor(layout.shared_starts)
+    s_p = s_starts[1:] - s_starts[:-1]  # [P] shared rows of each piece: its first local rows
+    assert bool(((shared >= starts[where]) & (shared < starts[where] + s_p[where])).all())
+    assert torch.bincount(where).tolist() == pytest.approx([20_000] * 3, rel=0.05)  # balanced by hash
+    # The trainer routes the raw ids there, unchanged (the server's map gives them rows).
+    routed = hash_routed.route(ids, torch.ones(60_000, dtype=torch.int64), pieces, spec.tables[0])
+    assert all(torch.equal(values, ids[where == i]) for i, (values, _) in enumerate(routed))
+    assert torch.equal(PieceLayout.of(10_000, dynamic).shared_row(ids), shared_rows_of(ids, 1000))  # one piece: hash % S
+    tiny = FeatureSpec(dense=[], tables=[TableSpec(name="C2", rows=12, dim=8, dynamic=dynamic)])
+    with pytest.raises(ConfigError, match="table C2: 12 rows with 1 shared rows cannot be split over 2 servers"):
+        plan_sharding(tiny, 2, "rowwise_adagrad", "row_wise")

@@ -10,6 +10,8 @@ modulo) and its shard maps them to rows before the fused kernel runs:
     remap.py        ShardIdMaps: a shard's maps applied to a lookup's ids, fresh rows for new ids
     batched.py      MapGroup: admission and eviction of a group of a shard's maps in one set of
                     tensor ops (the same decisions as one DynamicIdMap per table)
+    pieces.py       PieceLayout: a table split by rows over servers, its ids routed by hash
+    reshard.py      a checkpoint restored onto another split: ids moved with their rows
 
 Hashed tables never come here: their rows are ``id % rows`` from the featuriser, as always.
 """

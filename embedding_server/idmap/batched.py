@@ -116,6 +116,10 @@ class MapGroup:
                  stacked: dict[str, torch.Tensor], reset: GroupReset | None = None) -> None:
         m0 = maps[0]
         self.maps, self.cfg, self.rows, self.shared = maps, m0.cfg, m0.rows, m0.shared
+        # Each map's shared rule (pieces of tables split over servers: ``pieces.py``): hash % S_t - o_t.
+        self.shared_total = torch.tensor([m.shared_total for m in maps], dtype=torch.int64)  # [M]
+        self.shared_offset = torch.tensor([m.shared_offset for m in maps], dtype=torch.int64)  # [M]
+        self.whole = all(m.shared_offset == 0 and m.shared_total == m0.shared for m in maps)
         self.count, self.buckets = len(maps), m0.table.mask + 1
         self.keys, self.slots = keys, slots
         self.s, self.reset = stacked, reset
@@ -135,7 +139,7 @@ class MapGroup:
     def admit_distinct(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """:meth:`admit` of distinct pairs (``uniq`` [u] of tables ``ut`` [u], each table's in id
         order; ``counts`` [u]: their occurrences) -> rows int64 [u]."""
-        rows = shared_rows_of(uniq, self.shared)  # [u]
+        rows = self.local_shared(uniq, ut)  # [u]
         cand, priority = torch.arange(uniq.numel()), counts
         if self.sketch is not None:
             priority = self._count(uniq, ut, counts)
@@ -147,6 +151,13 @@ class MapGroup:
             taken, slots = self._admit(uniq.index_select(0, cand), ut.index_select(0, cand), priority)
             rows.index_copy_(0, cand.index_select(0, taken), slots)
         return rows
+
+    def local_shared(self, ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Shared row of each of ids [n] in its map (``tables`` [n], in the group), int64 [n]."""
+        if self.whole:
+            return shared_rows_of(ids, self.shared)
+        total, offset = self.shared_total.index_select(0, tables), self.shared_offset.index_select(0, tables)
+        return shared_rows_of(ids, total).sub_(offset)
 
     def _count(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Add the occurrences to each table's sketch -> estimates int64 [u]; halve the sketches

@@ -71,6 +71,9 @@ class DynamicIdMap:
         rows: R, the table's rows (its capacity: R - S ids, plus the S shared rows).
         cfg: admission and eviction settings.
         reset: called with the rows (and their new ids) about to be reused.
+        span: a piece of a table split over servers (``pieces.py``): (its shared rows S_p, the
+            table's S, its first shared index o): its ids' shared row is hash(id) % S - o;
+            None: a whole table, S = ``shared_row_count``.
 
     Example:
         >>> m = DynamicIdMap(4, DynamicIds(admit_after=2, shared_rows=0))  # S = 1: row 0
@@ -79,9 +82,10 @@ class DynamicIdMap:
     """
 
     def __init__(self, rows: int, cfg: DynamicIds, reset: Reset | None = None,
-                 storage: dict[str, torch.Tensor] | None = None) -> None:
+                 storage: dict[str, torch.Tensor] | None = None, span: tuple[int, int, int] | None = None) -> None:
         self.rows, self.cfg, self.reset = rows, cfg, reset
-        self.shared = shared_row_count(rows, cfg)  # S
+        whole = shared_row_count(rows, cfg)
+        self.shared, self.shared_total, self.shared_offset = span if span is not None else (whole, whole, 0)  # S_p, S, o
         # storage: views to use (of a shard's maps laid side by side, ``remap.py``), fresh and zero.
         views = storage or {}
         self.table = IdHashTable(rows - self.shared, views.get("keys"), views.get("slots"), views.get("table_counts"))
@@ -110,7 +114,7 @@ class DynamicIdMap:
         """Row of each raw id, int64 [n]; a training lookup admits and evicts (one step)."""
         rows = self.table.find(ids)  # [n], -1: not admitted
         if not train:
-            return torch.where(rows >= 0, rows, shared_rows_of(ids, self.shared))
+            return torch.where(rows >= 0, rows, self.local_shared(ids))
         self._add("clock", 1)
         known = rows >= 0
         self.touch(rows[known])
@@ -120,6 +124,11 @@ class DynamicIdMap:
         self.end_step()
         return rows
 
+    def local_shared(self, ids: torch.Tensor) -> torch.Tensor:
+        """The shared row of each of ids [n] (routed to this piece), int64 [n] in [0, S)."""
+        rows = shared_rows_of(ids, self.shared_total)
+        return rows.sub_(self.shared_offset) if self.shared_offset else rows
+
     def touch(self, rows: torch.Tensor) -> None:
         """Rows [k] (repeats counted) used by this training lookup (the clock already ticked)."""
         self.last[rows] = self.counters[COUNTERS.index("clock")]
@@ -128,7 +137,7 @@ class DynamicIdMap:
     def admit(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of ids [n] not in the map: those admitted now get one, the rest their shared row -> int64 [n]."""
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # [u]
-        rows = shared_rows_of(uniq, self.shared)  # [u]
+        rows = self.local_shared(uniq)  # [u]
         new, priority = torch.arange(uniq.numel()), counts
         if self.sketch is not None:
             estimate, halved = self.sketch.add(uniq, counts)

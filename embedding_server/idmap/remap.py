@@ -34,6 +34,7 @@ from embedding_server.idmap.dynamic import (
 )
 from embedding_server.idmap.fast import where_true
 from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, probe
+from embedding_server.idmap.pieces import PieceLayout
 from embedding_server.idmap.sketch import DEPTH, sketch_cells
 from embedding_server.local_table import LocalTable
 
@@ -61,12 +62,42 @@ def init_for_pieces(ids: torch.Tensor, index: torch.Tensor, col_start: torch.Ten
     return ((unit * 2 - 1) * bound).to(torch.float32)
 
 
+def _piece_of(local: LocalTable) -> dict[str, int]:
+    return {} if local.row_pieces == 1 else {"row_start": local.row_start}
+
+
+def merge_piece_stats(parts: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Id-map stats of several shards (table -> counts) -> per table: the pieces of a table split
+    by rows added up; a table's column pieces (identical maps) counted once."""
+    pieces: dict[tuple[str, int], dict[str, int]] = {}
+    for part in parts:
+        for name, stats in part.items():
+            counts = dict(stats)
+            pieces[(name, counts.pop("row_start", 0))] = counts
+    out: dict[str, dict[str, int]] = {}
+    for (name, _), counts in pieces.items():
+        total = out.setdefault(name, dict.fromkeys(counts, 0))
+        for k, v in counts.items():
+            total[k] += v
+    return out
+
+
+def piece_span(local: LocalTable) -> tuple[int, int, int]:
+    """(shared rows S_p, S of the table, first shared index) of a dynamic table's piece: the whole
+    table's (S, S, 0) unless it is split by rows (``pieces.py``)."""
+    cfg = local.table.dynamic
+    if local.row_pieces == 1:
+        s = shared_row_count(local.table.rows, cfg)
+        return s, s, 0
+    return PieceLayout.of(local.table.rows, cfg, local.row_pieces, local.table.name).span(local.row_start)
+
+
 class ShardIdMaps:
     """Id maps of a shard's dynamic table pieces.
 
     Args:
-        tables: the shard's pieces (only those of dynamic tables get a map; a dynamic table is
-            never split by rows, so a piece holds all the table's rows).
+        tables: the shard's pieces (only those of dynamic tables get a map; a piece of a
+            dynamic table split by rows maps the ids routed to it: ``pieces.py``).
         feature_map: the piece each feature of a lookup reads.
         reset: writes fresh weights and optimizer state into rows of a piece.
         read: reads rows of a piece (the shared rows that admitted ids start from).
@@ -77,16 +108,13 @@ class ShardIdMaps:
                  seed: int = 0, init_scale: float | None = None) -> None:
         self.tables = tables
         mine = [t for t, local in enumerate(tables) if local.table.dynamic is not None]
-        for t in mine:
-            local = tables[t]
-            if local.row_start != 0 or local.spec.rows != local.table.rows:
-                raise ValueError(f"table {local.table.name}: dynamic ids need whole rows on one shard")
+        self.spans = {t: piece_span(tables[t]) for t in mine}  # (S_p, S, first shared index) of each
         # Maps of equal rows and settings are admitted together (``batched.py``): order them by group.
-        key_of = {t: (tables[t].spec.rows, tables[t].spec.dim, tables[t].table.dynamic) for t in mine}
+        key_of = {t: (tables[t].spec.rows, tables[t].spec.dim, tables[t].table.dynamic, self.spans[t][0]) for t in mine}
         kinds = list(dict.fromkeys(key_of.values()))
         mine = sorted(mine, key=lambda t: kinds.index(key_of[t]))
         rows = [tables[t].spec.rows for t in mine]
-        shared = [shared_row_count(tables[t].spec.rows, tables[t].table.dynamic) for t in mine]
+        shared = [self.spans[t][0] for t in mine]
         buckets = [buckets_for(r - s) for r, s in zip(rows, shared, strict=True)]
         # Side-by-side storage: buckets [sum H_t], row statistics [sum R_t], counters [M, 5].
         self.keys = torch.zeros(sum(buckets), dtype=torch.int64)
@@ -98,7 +126,9 @@ class ShardIdMaps:
         self.bucket_mask = torch.tensor([h - 1 for h in buckets], dtype=torch.int64)  # [M]
         self.one_mask = buckets[0] - 1 if len(set(buckets)) == 1 else None  # every map's, where all are equal
         self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
-        self.shared = torch.tensor(shared, dtype=torch.int64)  # [M] S of each map
+        self.shared = torch.tensor(shared, dtype=torch.int64)  # [M] S_p of each map
+        self.shared_total = torch.tensor([self.spans[t][1] for t in mine], dtype=torch.int64)  # [M] S of its table
+        self.shared_offset = torch.tensor([self.spans[t][2] for t in mine], dtype=torch.int64)  # [M]
         self.maps: dict[int, DynamicIdMap] = {}
         self.groups: list[tuple[int, int, MapGroup]] = []  # (first map, last map + 1, group)
         first = 0
@@ -123,7 +153,7 @@ class ShardIdMaps:
         m, last = len(members), first + len(members)
         local = self.tables[members[0]]
         r, cfg = local.spec.rows, local.table.dynamic
-        s = shared_row_count(r, cfg)
+        s = self.spans[members[0]][0]
         h0, r0 = int(self.bucket_base[first]), int(self.row_base[first])
         stacked = {"row_id": torch.zeros(m, r, dtype=torch.int64), "used": torch.zeros(m, r, dtype=torch.bool),
                    "last": self.last[r0 : r0 + m * r].view(m, r), "uses": self.uses[r0 : r0 + m * r].view(m, r),
@@ -140,7 +170,7 @@ class ShardIdMaps:
             views.update(keys=keys[i * h : (i + 1) * h], slots=slots[i * h : (i + 1) * h])
             if has_sketch(cfg):
                 views["sketch_counts"] = views["sketch_counts"].view(DEPTH, width)
-            self.maps[t] = DynamicIdMap(r, cfg, self._resetter(t, reset, read, seed, init_scale), views)
+            self.maps[t] = DynamicIdMap(r, cfg, self._resetter(t, reset, read, seed, init_scale), views, self.spans[t])
             maps.append(self.maps[t])
         return MapGroup(maps, keys, slots, stacked, self._group_resetter(members, reset, read, seed, init_scale))
 
@@ -156,10 +186,12 @@ class ShardIdMaps:
         pieces = torch.tensor(members, dtype=torch.int64)  # [M]
         local = self.tables[members[0]]
         if local.table.dynamic.start_from_shared:
-            shared = local.table.shared_row_count
+            total = torch.tensor([self.spans[t][1] for t in members], dtype=torch.int64)  # [M]
+            offset = torch.tensor([self.spans[t][2] for t in members], dtype=torch.int64)  # [M]
 
             def fresh(g, rows, ids):
-                reset(pieces[g], rows, read(pieces[g], shared_rows_of(ids, shared)))
+                local_shared = shared_rows_of(ids, total.index_select(0, g)).sub_(offset.index_select(0, g))
+                reset(pieces[g], rows, read(pieces[g], local_shared))
         else:
             index = torch.tensor([self.tables[t].index for t in members], dtype=torch.int64)  # [M]
             col_start = torch.tensor([self.tables[t].col_start for t in members], dtype=torch.int64)  # [M]
@@ -189,7 +221,8 @@ class ShardIdMaps:
             rows = self._train(ids, k)
         else:  # ids without a row read their shared row
             rows = self._find(ids, k)
-            rows = torch.where(rows >= 0, rows, shared_rows_of(ids, self.shared.index_select(0, k)))
+            shared = shared_rows_of(ids, self.shared_total.index_select(0, k)).sub_(self.shared_offset.index_select(0, k))
+            rows = torch.where(rows >= 0, rows, shared)
         values = sparse.values.clone()
         values.index_copy_(0, where, rows)
         return SparseFeatures(values, sparse.offsets, sparse.batch_size)
@@ -238,8 +271,9 @@ class ShardIdMaps:
         return rows
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per dynamic table: rows_used, admitted, evicted, default_lookups."""
-        return {self.tables[t].table.name: m.stats() for t, m in self.maps.items()}
+        """Per dynamic table: rows_used, admitted, evicted, default_lookups; a piece of a table
+        split by rows also its first row, ``row_start`` (``merge_piece_stats`` adds pieces up)."""
+        return {self.tables[t].table.name: {**m.stats(), **_piece_of(self.tables[t])} for t, m in self.maps.items()}
 
     def id_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per dynamic table: (admitted ids sorted, their rows)."""

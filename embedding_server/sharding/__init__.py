@@ -8,6 +8,14 @@ Every module offers the same three functions over one table's bags of a batch of
     split_grad(grad [B, D], lengths, pieces, table)       -> per piece gradient [B, d_p]
 """
 
-from embedding_server.sharding import column_wise, row_wise, table_wise
+from embedding_server.sharding import column_wise, hash_routed, row_wise, table_wise
 
 SCHEMES = {"table_wise": table_wise, "row_wise": row_wise, "column_wise": column_wise}
+
+
+def scheme_for(kind: str, table):
+    """The module of a placement ``kind`` for ``table`` (a ``TableSpec``): a dynamic table split
+    by rows routes its raw ids by hash (``hash_routed``), not by row range."""
+    if kind == "row_wise" and table.dynamic is not None:
+        return hash_routed
+    return SCHEMES[kind]

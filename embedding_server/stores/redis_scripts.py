@@ -79,11 +79,14 @@ return g
 """
 
 COMPACT = """
--- KEYS: meta, id-map base, its overlay hash; ARGV: the overlay's entries when it was read,
--- the folded base.  -> 1 (folded), 0 (the overlay changed meanwhile: left), -1 (no version)
+-- KEYS: meta, id-map base, its overlay hash, the version's generation; ARGV: the overlay's
+-- entries and the generation when it was read, the folded base.  -> 1 (folded), 0 (a push
+-- came meanwhile, from any writer: the servers of a table split by rows each push to its
+-- overlay; left), -1 (no version)
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[1]) then return 0 end
-redis.call('SET', KEYS[2], ARGV[2])
+if (redis.call('GET', KEYS[4]) or '0') ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[2], ARGV[3])
 redis.call('DEL', KEYS[3])
 return 1
 """

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from embedding_server.checkpoint import load_file
 from embedding_server.optimizers import DenseOptimizerConfig, build_dense_optimizer
 from embedding_server.planner import ShardingPlan
-from embedding_server.sharding import SCHEMES
+from embedding_server.sharding import scheme_for
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.module import TowerModule
 from embedding_server.transport import GRADS, POOLED
@@ -136,7 +136,7 @@ class TowerServerStage:
             slots = self.group_slots[srv]
             for (f, p), cols in zip(slots, torch.split(block, [p.dim for _, p in slots], dim=1), strict=True):
                 slot_out[(f, p.table, p.row_start, p.col_start)] = cols
-        feats = [SCHEMES[pieces[0].kind].combine([slot_out[(f, p.table, p.row_start, p.col_start)] for p in pieces],
+        feats = [scheme_for(pieces[0].kind, table).combine([slot_out[(f, p.table, p.row_start, p.col_start)] for p in pieces],
                                                  None, table)
                  for f, table, pieces in self.tower_features]
         t1 = time.perf_counter()

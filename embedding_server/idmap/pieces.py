@@ -1,0 +1,111 @@
+"""A dynamic table split by rows over several embedding servers: ids routed by their hash.
+
+A hashed table split row-wise sends each id to the block holding row ``id % R``. A dynamic
+table's rows belong to ids, not to ranges, so its ids are routed by hash instead, in a way that
+keeps the shared-row rule (an id without a row of its own reads shared row j = hash(id) % S)
+whatever the number of pieces P:
+
+    rows        P contiguous blocks, as a hashed table's (``row_blocks``): piece p holds global
+                rows [r_p, r_p+1)
+    shared      the S shared rows (S of the whole table) split evenly: piece p's first
+                s_p+1 - s_p local rows are shared indices [s_p, s_p+1)
+    routing     an id goes to the piece holding its shared index j: every id reads, trains and
+                is admitted on one piece, and its shared row is local there
+    serving     shared row of an id without a row: r_p + (j - s_p) (P = 1: row j, as always)
+
+Each piece has its own id map (capacity: its rows), admission and eviction; the published map
+of the table is the union of the pieces' maps in global rows.
+
+Shape letters: n ids, P pieces.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from dlrm_core.errors import ConfigError
+from dlrm_core.schema import DynamicIds, shared_row_count
+from embedding_server.idmap.dynamic import shared_rows_of
+
+
+def row_blocks(rows: int, parts: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each block of a table split by rows over ``parts`` pieces (fewer when
+    the table has fewer rows than ``parts`` blocks of ceil(rows / parts))."""
+    block = -(-rows // parts)
+    return [(s, min(block, rows - s)) for s in range(0, rows, block)]
+
+
+@dataclass(frozen=True)
+class PieceLayout:
+    """Where the rows and shared rows of a dynamic table split over P pieces are.
+
+    Attributes:
+        row_starts: first global row of each piece, and the table's rows last [P + 1].
+        shared_starts: first shared index of each piece, and S last [P + 1].
+    """
+
+    row_starts: tuple[int, ...]
+    shared_starts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, rows: int, cfg: DynamicIds, pieces: int = 1, table: str = "") -> PieceLayout:
+        """The layout of a table of ``rows`` rows over ``pieces`` row blocks (made once per
+        arguments: the trainer asks for it at every routing).
+
+        Raises:
+            ConfigError: split over several pieces, one would hold no shared row, or no row for
+                an admitted id.
+        """
+        return _layout(rows, cfg, max(1, pieces), table)
+
+    @property
+    def pieces(self) -> int:
+        return len(self.row_starts) - 1
+
+    @property
+    def shared(self) -> int:
+        """S, the table's shared rows (over every piece)."""
+        return self.shared_starts[-1]
+
+    def piece_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The piece each raw id [n] lives on, int64 [n]."""
+        if self.pieces == 1:
+            return torch.zeros_like(ids)
+        j = shared_rows_of(ids, self.shared)
+        return torch.searchsorted(torch.tensor(self.shared_starts[1:-1]), j, right=True)
+
+    def shared_row(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global shared row of each raw id [n], int64 [n] (what an id without a row reads)."""
+        j = shared_rows_of(ids, self.shared)
+        if self.pieces == 1:
+            return j
+        p = torch.searchsorted(torch.tensor(self.shared_starts[1:-1]), j, right=True)
+        offset = torch.tensor(self.row_starts[:-1]) - torch.tensor(self.shared_starts[:-1])  # [P]
+        return j + offset.index_select(0, p)
+
+    def span(self, row_start: int) -> tuple[int, int, int]:
+        """(shared rows, S of the table, first shared index) of the piece starting at ``row_start``:
+        its ids' local shared row is hash(id) % S - first shared index."""
+        p = self.row_starts.index(row_start)
+        return self.shared_starts[p + 1] - self.shared_starts[p], self.shared, self.shared_starts[p]
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(rows: int, cfg: DynamicIds, pieces: int, table: str) -> PieceLayout:
+    """:meth:`PieceLayout.of` (cached: the config is frozen, so hashable)."""
+    blocks = row_blocks(rows, pieces)
+    p, s = len(blocks), shared_row_count(rows, cfg)
+    shared = [s // p + (1 if i < s % p else 0) for i in range(p)]
+    for (_, n), k in zip(blocks, shared, strict=True):
+        if p > 1 and (k < 1 or k >= n):
+            raise ConfigError(
+                f"table {table}: {rows:,} rows with {s:,} shared rows cannot be split over {p} servers "
+                f"(each piece needs a shared row and a row for an admitted id): raise its rows or "
+                f"embedding.shared_rows, or place it whole (--sharding table_wise)")
+    starts = [0]
+    for k in shared:
+        starts.append(starts[-1] + k)
+    return PieceLayout(tuple(b for b, _ in blocks) + (rows,), tuple(starts))
