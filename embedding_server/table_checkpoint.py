@@ -266,8 +266,7 @@ class CheckpointTables:
     def _load_moved(self, state: dict[str, torch.Tensor], shard, i: int, local: LocalTable) -> dict[str, torch.Tensor]:
         """Piece ``i`` of ``shard`` restored from a checkpoint that split its dynamic table otherwise:
         its rows from wherever their ids (and shared indices) were, one old piece's chunk at a
-        time; -> its id map. Every row of it is written by the next checkpoint (their global rows
-        hold other ids' rows in this one)."""
+        time; -> its id map."""
         spec, name = local.spec, local.table.name
         plan = move_piece(self, local)
         for st in ("weight", *shard.state_names()):
@@ -279,7 +278,6 @@ class CheckpointTables:
                     if bool(sel.any()):
                         part = self.read(name, st, c, m, local.col_start, spec.dim)
                         dst[plan.targets[sel]] = part[plan.sources[sel] - c].to(dst.dtype)
-        shard.touched.mark(i, torch.arange(spec.rows))
         return plan.state
 
     def row_pieces(self, table: str) -> list[tuple[int, int]]:
@@ -315,6 +313,9 @@ class CheckpointTables:
                     else:
                         dst[r : r + n] = self.read(name, st, local.row_start + r, n, local.col_start, spec.dim)
             shard.touched.restored(i, saved, self.last_step)
+        for i, local in enumerate(shard.local_tables):  # after every restored(): a generation past its cut
+            if local.table.name in moved:  # every row rewritten by the next checkpoint (delta or not):
+                shard.touched.mark(i, torch.arange(local.spec.rows))  # its global rows hold others' here
         dynamic = [local for local in shard.local_tables if local.table.dynamic is not None]
         if dynamic:  # their id maps
             shard.load_id_maps({k: v for local in dynamic for k, v in (

@@ -145,6 +145,8 @@ def test_dynamic_tables_split_by_rows_route_ids_by_hash_and_resume_exactly(split
         for shard in split_shards(spec, plan_sharding(spec, n, "rowwise_adagrad", "row_wise")):
             shard.reset_parameters(99)  # nothing kept from a fresh shard's own start
             ckpt.load_into(shard)
+            for i, local in enumerate(shard.local_tables):  # a delta over this checkpoint rewrites them
+                assert shard.touched.since(i, ckpt.last_step).numel() == local.spec.rows
             for name, rows in admitted(shard).items():
                 after.setdefault(name, {}).update(rows)
             if n == 1:
