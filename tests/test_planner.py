@@ -120,5 +120,5 @@ def test_dynamic_tables_split_by_rows_route_each_id_to_its_shared_row():
     assert all(torch.equal(values, ids[where == i]) for i, (values, _) in enumerate(routed))
     assert torch.equal(PieceLayout.of(10_000, dynamic).shared_row(ids), shared_rows_of(ids, 1000))  # one piece: hash % S
     tiny = FeatureSpec(dense=[], tables=[TableSpec(name="C2", rows=12, dim=8, dynamic=dynamic)])
-    with pytest.raises(ConfigError, match="table C2: 12 rows with 1 shared rows cannot be split over 2 servers"):
+    with pytest.raises(ConfigError, match=r"table C2: 12 rows with 1 shared row\(s\) cannot be split over 2 servers"):
         plan_sharding(tiny, 2, "rowwise_adagrad", "row_wise")

@@ -102,7 +102,7 @@ def _layout(rows: int, cfg: DynamicIds, pieces: int, table: str) -> PieceLayout:
     for (_, n), k in zip(blocks, shared, strict=True):
         if p > 1 and (k < 1 or k >= n):
             raise ConfigError(
-                f"table {table}: {rows:,} rows with {s:,} shared rows cannot be split over {p} servers "
+                f"table {table}: {rows:,} rows with {s:,} shared row(s) cannot be split over {p} servers "
                 f"(each piece needs a shared row and a row for an admitted id): raise its rows or "
                 f"embedding.shared_rows, or place it whole (--sharding table_wise)")
     starts = [0]
