@@ -242,8 +242,8 @@ class CheckpointTables:
         if saved and (row_start, n) not in saved:
             raise CheckpointError(
                 f"checkpoint {self.path}: dynamic table {table} has no piece of rows {row_start}..{row_start + n} "
-                f"(it is split by rows over {len(saved)} piece(s) there): restore it with load_into, which "
-                f"moves its ids between pieces")
+                f"(it is {'whole' if len(saved) == 1 else f'split by rows in {len(saved)} pieces'} there): restore "
+                f"it with load_into, which moves its ids between pieces")
         for layer in reversed(self.layers):
             for p in layer.get(table, []):
                 if p.file is None or p.legacy is not None or p.row_start != row_start:
@@ -269,15 +269,17 @@ class CheckpointTables:
         time; -> its id map."""
         spec, name = local.spec, local.table.name
         plan = move_piece(self, local)
+        order = torch.argsort(plan.sources)
+        sources, targets = plan.sources[order], plan.targets[order]  # by old row: a chunk's are a run
+        chunks = [(c, min(CHUNK_ROWS, start + n - c)) for start, n in self.row_pieces(name)
+                  for c in range(start, start + n, CHUNK_ROWS)]
         for st in ("weight", *shard.state_names()):
             dst = state[f"{name}.{st}"]
-            for start, n in self.row_pieces(name):
-                for c in range(start, start + n, CHUNK_ROWS):
-                    m = min(CHUNK_ROWS, start + n - c)
-                    sel = (plan.sources >= c) & (plan.sources < c + m)
-                    if bool(sel.any()):
-                        part = self.read(name, st, c, m, local.col_start, spec.dim)
-                        dst[plan.targets[sel]] = part[plan.sources[sel] - c].to(dst.dtype)
+            for c, m in chunks:
+                a, b = (int(x) for x in torch.searchsorted(sources, torch.tensor([c, c + m])))
+                if b > a:
+                    part = self.read(name, st, c, m, local.col_start, spec.dim)
+                    dst[targets[a:b]] = part[sources[a:b] - c].to(dst.dtype)
         return plan.state
 
     def row_pieces(self, table: str) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from dlrm_core.errors import CheckpointError
 from dlrm_core.schema import FeatureSpec
@@ -62,6 +62,15 @@ class ModelVersion(BaseModel):
     towers: dict[str, Any] | None = None
     """A compressed tower model's towers (features, c_t) and output dim D': the dense weights
     then hold the tower modules (``towers.<t>.*``) and the trainers' network (``net.*``)."""
+
+    @model_serializer(mode="wrap")
+    def _without_empty_pieces(self, handler):
+        """``id_pieces`` only where some table is split: a version without one reads the same to
+        replicas that predate the field (the model forbids unknown fields)."""
+        out = handler(self)
+        if not out.get("id_pieces", True):
+            del out["id_pieces"]
+        return out
 
 
 def row_width(dim: int, dtype: RowDtype) -> int:

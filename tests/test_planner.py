@@ -119,6 +119,10 @@ def test_dynamic_tables_split_by_rows_route_each_id_to_its_shared_row():
     routed = hash_routed.route(ids, torch.ones(60_000, dtype=torch.int64), pieces, spec.tables[0])
     assert all(torch.equal(values, ids[where == i]) for i, (values, _) in enumerate(routed))
     assert torch.equal(PieceLayout.of(10_000, dynamic).shared_row(ids), shared_rows_of(ids, 1000))  # one piece: hash % S
+    # Shared rows (so ids) in proportion to the blocks' rows: a short last block gets its share only.
+    short = PieceLayout.of(100, dynamic, 9)  # blocks of 12 rows, the last 4; S = 10
+    assert torch.tensor(short.shared_starts).diff().tolist() == [2] + [1] * 8
+    assert torch.tensor(short.row_starts).diff().tolist() == [12] * 8 + [4]
     tiny = FeatureSpec(dense=[], tables=[TableSpec(name="C2", rows=12, dim=8, dynamic=dynamic)])
-    with pytest.raises(ConfigError, match=r"table C2: 12 rows with 1 shared row\(s\) cannot be split over 2 servers"):
+    with pytest.raises(ConfigError, match=r"table C2: 12 rows with 1 shared row\(s\) cannot be split by rows in 2 blocks"):
         plan_sharding(tiny, 2, "rowwise_adagrad", "row_wise")

@@ -7,8 +7,8 @@ whatever the number of pieces P:
 
     rows        P contiguous blocks, as a hashed table's (``row_blocks``): piece p holds global
                 rows [r_p, r_p+1)
-    shared      the S shared rows (S of the whole table) split evenly: piece p's first
-                s_p+1 - s_p local rows are shared indices [s_p, s_p+1)
+    shared      the S shared rows (S of the whole table) split in proportion to the blocks'
+                rows: piece p's first s_p+1 - s_p local rows are shared indices [s_p, s_p+1)
     routing     an id goes to the piece holding its shared index j: every id reads, trains and
                 is admitted on one piece, and its shared row is local there
     serving     shared row of an id without a row: r_p + (j - s_p) (P = 1: row j, as always)
@@ -86,9 +86,15 @@ class PieceLayout:
         offset = torch.tensor(self.row_starts[:-1]) - torch.tensor(self.shared_starts[:-1])  # [P]
         return j + offset.index_select(0, p)
 
-    def span(self, row_start: int) -> tuple[int, int, int]:
+    def span(self, row_start: int, table: str = "") -> tuple[int, int, int]:
         """(shared rows, S of the table, first shared index) of the piece starting at ``row_start``:
-        its ids' local shared row is hash(id) % S - first shared index."""
+        its ids' local shared row is hash(id) % S - first shared index.
+
+        Raises:
+            ConfigError: no piece of this layout starts there.
+        """
+        if row_start not in self.row_starts[:-1]:
+            raise ConfigError(f"table {table}: no piece of its {self.pieces}-way split by rows starts at row {row_start}")
         p = self.row_starts.index(row_start)
         return self.shared_starts[p + 1] - self.shared_starts[p], self.shared, self.shared_starts[p]
 
@@ -98,14 +104,32 @@ def _layout(rows: int, cfg: DynamicIds, pieces: int, table: str) -> PieceLayout:
     """:meth:`PieceLayout.of` (cached: the config is frozen, so hashable)."""
     blocks = row_blocks(rows, pieces)
     p, s = len(blocks), shared_row_count(rows, cfg)
-    shared = [s // p + (1 if i < s % p else 0) for i in range(p)]
+    shared = _proportional(s, [n for _, n in blocks])
     for (_, n), k in zip(blocks, shared, strict=True):
         if p > 1 and (k < 1 or k >= n):
             raise ConfigError(
-                f"table {table}: {rows:,} rows with {s:,} shared row(s) cannot be split over {p} servers "
-                f"(each piece needs a shared row and a row for an admitted id): raise its rows or "
-                f"embedding.shared_rows, or place it whole (--sharding table_wise)")
+                f"table {table}: {rows:,} rows with {s:,} shared row(s) cannot be split by rows in {p} blocks "
+                f"(for {pieces} servers; each block needs a shared row and a row for an admitted id): raise its "
+                f"rows or embedding.shared_rows, or place it whole (--sharding table_wise or column_wise; "
+                f"raise --server-memory if it was split because it did not fit)")
     starts = [0]
     for k in shared:
         starts.append(starts[-1] + k)
     return PieceLayout(tuple(b for b, _ in blocks) + (rows,), tuple(starts))
+
+
+def _proportional(s: int, sizes: list[int]) -> list[int]:
+    """``s`` shared rows over blocks of ``sizes`` rows, in proportion (largest remainders first,
+    ties to the first blocks), at least one each when ``s`` allows: the ids routed to a block,
+    in proportion to its shared rows, then match its capacity."""
+    total = sum(sizes)
+    exact = [s * n / total for n in sizes]
+    out = [int(x) for x in exact]
+    for i in sorted(range(len(sizes)), key=lambda i: (out[i] - exact[i], i))[: s - sum(out)]:
+        out[i] += 1
+    for i in range(len(out)):  # a block left without one takes it from the largest share
+        if out[i] == 0 and s >= len(out):
+            j = max(range(len(out)), key=lambda j: (out[j], -j))
+            out[j] -= 1
+            out[i] += 1
+    return out

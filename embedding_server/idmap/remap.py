@@ -87,9 +87,13 @@ def piece_span(local: LocalTable) -> tuple[int, int, int]:
     table's (S, S, 0) unless it is split by rows (``pieces.py``)."""
     cfg = local.table.dynamic
     if local.row_pieces == 1:
+        if local.row_start != 0 or local.spec.rows != local.table.rows:
+            raise ValueError(f"table {local.table.name}: a piece of rows {local.row_start}..+{local.spec.rows} "
+                             "of a dynamic table needs its split (LocalTable.row_pieces)")
         s = shared_row_count(local.table.rows, cfg)
         return s, s, 0
-    return PieceLayout.of(local.table.rows, cfg, local.row_pieces, local.table.name).span(local.row_start)
+    layout = PieceLayout.of(local.table.rows, cfg, local.row_pieces, local.table.name)
+    return layout.span(local.row_start, local.table.name)
 
 
 class ShardIdMaps:

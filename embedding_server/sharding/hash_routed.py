@@ -20,6 +20,8 @@ __all__ = ["combine", "route", "split_grad"]
 
 
 def route(values: torch.Tensor, lengths: torch.Tensor, pieces, table) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if len(pieces) != pieces[0].row_pieces:
+        raise ValueError(f"table {table.name}: {len(pieces)} pieces of a {pieces[0].row_pieces}-way split by rows")
     b = lengths.numel()
     bag = torch.repeat_interleave(torch.arange(b), lengths)  # bag of each id
     where = PieceLayout.of(table.rows, table.dynamic, len(pieces), table.name).piece_of(values)  # [N]
