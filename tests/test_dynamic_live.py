@@ -220,3 +220,52 @@ def test_distributed_live_training_with_churning_ids_serves_the_final_model(synt
         assert live["failures"] == 0 and live["id_map_changes"] > 0 and live["rows_pushed"] > 0
         assert live["overlay_compactions"] > 0
         served_equals_offline(url, client, synth_small, tmp_path / "run", cfg)
+
+
+def test_a_redis_fold_keeps_a_push_that_raced_it_and_ignores_other_tables(synth_small, tmp_path, request, monkeypatch):
+    """Two writers of one table's map (a table split by rows over servers): a fold of the overlay
+    that a push to it overtook is left (the push's entry stays, it wins over the base); a push to
+    another table's overlay does not stop it."""
+    from embedding_server.stores import redis_idmaps, redis_store
+
+    url = store_url("redis", tmp_path, request)
+    trainer = Trainer(tiny_config(embedding={"ids": "dynamic", "hash_size": 500, "admit_after": 1}), tmp_path / "run")
+    for batch in BatchLoader([synth_small / "train.txt"], trainer.spec, 256, max_rows=256 * 2):
+        trainer.train_step(batch)
+    store = open_store(url)
+    version = LivePublisher(trainer, store, push_every_s=3600).start()
+    ids, rows = store.read_id_map(version, "C1")
+    a, s = int(ids[0]), int(rows[0])
+
+    def move(table: str, raw: int, slot: int) -> None:  # raw id -> slot (an existing overlay field rewritten: HLEN unchanged)
+        store.update_rows(version, {}, id_maps={table: IdMapDelta(np.array([raw]), np.array([slot]), np.array([slot]),
+                                                                  np.array([raw]))})
+
+    move("C1", a, s)  # the overlay holds a
+    monkeypatch.setattr(redis_idmaps, "compact_at", lambda n: 0)  # fold at the first entry
+    real, outcomes = store._scripts["COMPACT"], []
+
+    def racing(push):
+        pending = [push]
+
+        def compact(**kw):
+            if not pending:  # the racing push's own fold, and any later one
+                return real(**kw)
+            pending.pop()()
+            outcomes.append(real(**kw))
+            return outcomes[-1]
+        return compact
+
+    monkeypatch.setattr(redis_store, "compact_after_push", lambda *a: None)  # the racing pushes fold nothing
+    store._scripts["COMPACT"] = racing(lambda: move("C1", a, s + 1))  # the other writer, between read and fold
+    redis_idmaps.maybe_compact(store, version, "C1")
+    assert outcomes == [0]
+    got_ids, got_rows = store.read_id_map(version, "C1")
+    assert got_rows[np.searchsorted(got_ids, a)] == s + 1  # the racing push stands
+    c3 = store.read_id_map(version, "C3")
+    store._scripts["COMPACT"] = racing(lambda: move("C3", int(c3[0][0]), int(c3[1][0])))  # another table's push
+    redis_idmaps.maybe_compact(store, version, "C1")
+    assert outcomes == [0, 1]
+    got_ids, got_rows = store.read_id_map(version, "C1")
+    assert got_rows[np.searchsorted(got_ids, a)] == s + 1
+    assert not store.bulk.hlen(redis_idmaps.overlay_key(store, version, "C1"))  # folded into the base

@@ -32,6 +32,11 @@ def overlay_key(store, version: str, table: str) -> str:
     return store.key("v", version, "idmap", table, "over")
 
 
+def overlay_changes_key(store, version: str, table: str) -> str:
+    """Pushes that wrote the table's overlay (a fold that read it checks that none came since)."""
+    return store.key("v", version, "idmap", table, "over", "n")
+
+
 def read_id_map(store, version: str, table: str) -> tuple[np.ndarray, np.ndarray] | None:
     """The base and its overlay as of one moment, folded -> (ids sorted, rows); None: no version."""
     base_key = store.key("v", version, "idmap", table)
@@ -109,10 +114,10 @@ def compact_after_push(store, version: str, tables: list[str]) -> None:
 
 def maybe_compact(store, version: str, table: str) -> None:
     """Fold a dynamic table's overlay hash into its base once it is past ``compact_at`` entries
-    (left when any push lands between the read and the fold: a table split by rows has a writer
-    per piece; readers following the stream are not affected)."""
+    (left when a push writes its overlay between the read and the fold: a table split by rows
+    has a writer per piece; readers following the stream are not affected)."""
     base_key, over_key = store.key("v", version, "idmap", table), overlay_key(store, version, table)
-    gen_key = store.key("v", version, "gen")
+    changes_key = overlay_changes_key(store, version, table)
     with store.errors():
         pipe = store.bulk.pipeline(transaction=True)
         pipe.strlen(base_key)
@@ -123,14 +128,14 @@ def maybe_compact(store, version: str, table: str) -> None:
         pipe = store.bulk.pipeline(transaction=True)
         pipe.get(base_key)
         pipe.hgetall(over_key)
-        pipe.get(gen_key)
-        raw, over, generation = pipe.execute()
+        pipe.get(changes_key)
+        raw, over, changes = pipe.execute()
         if raw is None:
             return
         pair = np.frombuffer(raw, dtype="<i8").reshape(2, -1).astype(np.int64)
         folded = np.stack(fold(pair[0], pair[1], *decode_overlay(over))).astype("<i8").tobytes()
-        if store._scripts["COMPACT"](keys=[store.key("v", version, "meta"), base_key, over_key, gen_key],
-                                     args=[len(over), generation or b"0", folded]) == 1:
+        if store._scripts["COMPACT"](keys=[store.key("v", version, "meta"), base_key, over_key, changes_key],
+                                     args=[len(over), changes or b"0", folded]) == 1:
             store.compactions += 1
 
 

@@ -34,7 +34,8 @@ return 1
 """
 
 UPDATE_ROWS = """
--- KEYS: meta, generation, stream, then H id-map overlay hashes, then the blocks (rows, owners)
+-- KEYS: meta, generation, stream, then H id-map overlay hashes, then their H change counters
+-- (each INCRed by a push that writes its overlay: a fold checks it), then the blocks (rows, owners)
 -- ARGV: maxlen, n_fields, field/value pairs of the stream entry (n_fields of them), H, then
 --       per hash: n_pairs, id/row pairs; then per block: its length in bytes, n_rows,
 --       offset/bytes pairs.
@@ -61,8 +62,9 @@ for h = 1, hashes do
     redis.call('HSET', KEYS[3 + h], ARGV[pos], ARGV[pos + 1])
     pos = pos + 2
   end
+  if count > 0 then redis.call('INCR', KEYS[3 + hashes + h]) end
 end
-for k = 4 + hashes, #KEYS do
+for k = 4 + 2 * hashes, #KEYS do
   local size = tonumber(ARGV[pos])
   local rows = tonumber(ARGV[pos + 1])
   pos = pos + 2
@@ -79,10 +81,10 @@ return g
 """
 
 COMPACT = """
--- KEYS: meta, id-map base, its overlay hash, the version's generation; ARGV: the overlay's
--- entries and the generation when it was read, the folded base.  -> 1 (folded), 0 (a push
--- came meanwhile, from any writer: the servers of a table split by rows each push to its
--- overlay; left), -1 (no version)
+-- KEYS: meta, id-map base, its overlay hash, the overlay's change counter; ARGV: the overlay's
+-- entries and its counter when it was read, the folded base.  -> 1 (folded), 0 (a push wrote
+-- the overlay meanwhile, from any writer: the servers of a table split by rows each push to
+-- it; left), -1 (no version)
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('HLEN', KEYS[3]) ~= tonumber(ARGV[1]) then return 0 end
 if (redis.call('GET', KEYS[4]) or '0') ~= ARGV[2] then return 0 end
