@@ -37,6 +37,11 @@ def overlay_changes_key(store, version: str, table: str) -> str:
     return store.key("v", version, "idmap", table, "over", "n")
 
 
+def overlay_keys(store, version: str, tables: list[str]) -> list[str]:
+    """The overlay hashes of ``tables``, then their change counters (``UPDATE_ROWS``'s keys)."""
+    return [overlay_key(store, version, t) for t in tables] + [overlay_changes_key(store, version, t) for t in tables]
+
+
 def read_id_map(store, version: str, table: str) -> tuple[np.ndarray, np.ndarray] | None:
     """The base and its overlay as of one moment, folded -> (ids sorted, rows); None: no version."""
     base_key = store.key("v", version, "idmap", table)

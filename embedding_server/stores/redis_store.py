@@ -71,8 +71,7 @@ from embedding_server.stores.redis_idmaps import (
     compact_after_push,
     gather_rows,
     int64_items,
-    overlay_changes_key,
-    overlay_key,
+    overlay_keys,
     read_id_map,
 )
 from embedding_server.stores.redis_scripts import (
@@ -416,8 +415,7 @@ class RedisStore(ServingStore):
         id_maps = id_maps or {}
         entry = [item for table, (ids, _) in updates.items() for item in (f"t:{table}".encode(), encode_ids(ids))]
         entry += [item for table, delta in id_maps.items() for item in (f"m:{table}".encode(), delta.to_bytes())]
-        keys = (self._live_keys(version) + [overlay_key(self, version, table) for table in id_maps]
-                + [overlay_changes_key(self, version, table) for table in id_maps])
+        keys = self._live_keys(version) + overlay_keys(self, version, list(id_maps))
         args = [UPDATES_MAXLEN, len(entry) // 2, *entry, len(id_maps)]
         for delta in id_maps.values():
             args.append(len(delta))
