@@ -156,8 +156,7 @@ class MapGroup:
         """Shared row of each of ids [n] in its map (``tables`` [n], in the group), int64 [n]."""
         if self.whole:
             return shared_rows_of(ids, self.shared)
-        total, offset = self.shared_total.index_select(0, tables), self.shared_offset.index_select(0, tables)
-        return shared_rows_of(ids, total).sub_(offset)
+        return shared_rows_of(ids, self.shared_total.index_select(0, tables), self.shared_offset.index_select(0, tables))
 
     def _count(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Add the occurrences to each table's sketch -> estimates int64 [u]; halve the sketches

@@ -54,10 +54,12 @@ SHARED_SALT = 2
 """Salt of the hash that picks an id's shared row (independent of the hash table's and the sketch's)."""
 
 
-def shared_rows_of(ids: torch.Tensor, shared: torch.Tensor | int) -> torch.Tensor:
-    """Shared row of each raw id, int64 [n] in [0, S): hash(id) % S (``shared``: S, one int or
-    one per id). Training, evaluation and serving all map ids without a row through this."""
-    return torch.remainder(mix64(ids, salt=SHARED_SALT), shared)
+def shared_rows_of(ids: torch.Tensor, shared: torch.Tensor | int, offset: torch.Tensor | int = 0) -> torch.Tensor:
+    """Shared row of each raw id, int64 [n]: hash(id) % S - ``offset`` (``shared``: S, and
+    ``offset``: the first shared index of the piece the ids are routed to, ``pieces.py``; one
+    int or one per id). Training, evaluation and serving all map ids without a row through this."""
+    rows = torch.remainder(mix64(ids, salt=SHARED_SALT), shared)
+    return rows.sub_(offset) if isinstance(offset, torch.Tensor) or offset else rows
 
 
 Reset = Callable[[torch.Tensor, torch.Tensor], None]
@@ -126,8 +128,7 @@ class DynamicIdMap:
 
     def local_shared(self, ids: torch.Tensor) -> torch.Tensor:
         """The shared row of each of ids [n] (routed to this piece), int64 [n] in [0, S)."""
-        rows = shared_rows_of(ids, self.shared_total)
-        return rows.sub_(self.shared_offset) if self.shared_offset else rows
+        return shared_rows_of(ids, self.shared_total, self.shared_offset)
 
     def touch(self, rows: torch.Tensor) -> None:
         """Rows [k] (repeats counted) used by this training lookup (the clock already ticked)."""

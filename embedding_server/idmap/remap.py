@@ -194,8 +194,7 @@ class ShardIdMaps:
             offset = torch.tensor([self.spans[t][2] for t in members], dtype=torch.int64)  # [M]
 
             def fresh(g, rows, ids):
-                local_shared = shared_rows_of(ids, total.index_select(0, g)).sub_(offset.index_select(0, g))
-                reset(pieces[g], rows, read(pieces[g], local_shared))
+                reset(pieces[g], rows, read(pieces[g], shared_rows_of(ids, total.index_select(0, g), offset.index_select(0, g))))
         else:
             index = torch.tensor([self.tables[t].index for t in members], dtype=torch.int64)  # [M]
             col_start = torch.tensor([self.tables[t].col_start for t in members], dtype=torch.int64)  # [M]
@@ -225,7 +224,7 @@ class ShardIdMaps:
             rows = self._train(ids, k)
         else:  # ids without a row read their shared row
             rows = self._find(ids, k)
-            shared = shared_rows_of(ids, self.shared_total.index_select(0, k)).sub_(self.shared_offset.index_select(0, k))
+            shared = shared_rows_of(ids, self.shared_total.index_select(0, k), self.shared_offset.index_select(0, k))
             rows = torch.where(rows >= 0, rows, shared)
         values = sparse.values.clone()
         values.index_copy_(0, where, rows)
