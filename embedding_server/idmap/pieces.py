@@ -70,21 +70,31 @@ class PieceLayout:
         """S, the table's shared rows (over every piece)."""
         return self.shared_starts[-1]
 
+    @functools.cached_property
+    def _bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first shared index of pieces 1..P-1 [P - 1], global row of each piece's first shared
+        index minus that index [P]), as tensors (made once: the trainer routes every step)."""
+        return (torch.tensor(self.shared_starts[1:-1]),
+                torch.tensor(self.row_starts[:-1]) - torch.tensor(self.shared_starts[:-1]))
+
+    def piece_of_index(self, j: torch.Tensor) -> torch.Tensor:
+        """The piece holding each shared index j [n] (in [0, S)), int64 [n]."""
+        return torch.searchsorted(self._bounds[0], j, right=True)
+
+    def index_row(self, j: torch.Tensor) -> torch.Tensor:
+        """The global row of each shared index j [n], int64 [n]."""
+        return j + self._bounds[1].index_select(0, self.piece_of_index(j))
+
     def piece_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The piece each raw id [n] lives on, int64 [n]."""
         if self.pieces == 1:
             return torch.zeros_like(ids)
-        j = shared_rows_of(ids, self.shared)
-        return torch.searchsorted(torch.tensor(self.shared_starts[1:-1]), j, right=True)
+        return self.piece_of_index(shared_rows_of(ids, self.shared))
 
     def shared_row(self, ids: torch.Tensor) -> torch.Tensor:
         """Global shared row of each raw id [n], int64 [n] (what an id without a row reads)."""
         j = shared_rows_of(ids, self.shared)
-        if self.pieces == 1:
-            return j
-        p = torch.searchsorted(torch.tensor(self.shared_starts[1:-1]), j, right=True)
-        offset = torch.tensor(self.row_starts[:-1]) - torch.tensor(self.shared_starts[:-1])  # [P]
-        return j + offset.index_select(0, p)
+        return j if self.pieces == 1 else self.index_row(j)
 
     def span(self, row_start: int, table: str = "") -> tuple[int, int, int]:
         """(shared rows, S of the table, first shared index) of the piece starting at ``row_start``:

@@ -52,13 +52,11 @@ def move_piece(ckpt, local: LocalTable) -> MovedPiece:
     saved = ckpt.row_pieces(name)
     old = PieceLayout.of(table.rows, cfg, len(saved), name)
     new = PieceLayout.of(table.rows, cfg, local.row_pieces, name)
-    s_p, _, first = new.span(local.row_start)
-    rows = local.spec.rows
+    s_p, _, first = new.span(local.row_start, name)
+    here, rows = new.row_starts.index(local.row_start), local.spec.rows
     # Shared rows: index j of this piece from wherever the old split held it.
     j = torch.arange(first, first + s_p, dtype=torch.int64)
-    q = torch.searchsorted(torch.tensor(old.shared_starts[1:-1]), j, right=True)
-    shift = torch.tensor(old.row_starts[:-1]) - torch.tensor(old.shared_starts[:-1])  # [P]
-    sources, targets = [j + shift.index_select(0, q)], [j - first]
+    sources, targets = [old.index_row(j)], [j - first]
     # Admitted ids of every old piece, those routed here.
     ids, at, last, uses, counts = [], [], [], [], torch.zeros(len(COUNTERS), dtype=torch.int64)
     for start, n in saved:
@@ -66,7 +64,7 @@ def move_piece(ckpt, local: LocalTable) -> MovedPiece:
         keys, slots = state[f"{name}.idmap.table.keys"], state[f"{name}.idmap.table.slots"]
         live = slots >= 0
         k, r = keys[live], slots[live]
-        mine = new.piece_of(k) == new.row_starts.index(local.row_start)
+        mine = new.piece_of(k) == here
         k, r = k[mine], r[mine]
         ids.append(k)
         at.append(r + start)
