@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet $(TORCH_EXTRA) torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[cpu,dev]'
 	@$(BIN)/python -c "import torch, fbgemm_gpu; print('setup ok: torch', torch.__version__, '+ fbgemm_gpu')"
+	@$(BIN)/python -c "from embedding_server.idmap import native; print('id maps C kernel:', native.build())" \
+		|| echo "note: no C compiler: the id maps run their torch version (slower)"
 	@touch $(STAMP)
 
 demo: setup

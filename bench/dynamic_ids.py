@@ -4,13 +4,15 @@
    2048, the train_throughput.py model, ids Zipf(1.05) over VOCAB values per table (default 1M:
    the tables hold a few percent of the vocabulary). Hashed (id % rows) against dynamic (``evict``
    lru / lfu, the config's admission and shared rows) on the very same raw ids. A warm-up fills
-   the tables; every timed step then admits new ids and evicts old ones (every batch is a fresh
-   draw, none repeats). Measured in
+   the tables (the table's "full at start" column says whether it did); every timed step then
+   admits new ids and evicts old ones (every batch is a fresh draw, none repeats). The maps run
+   their C kernel (``idmap/native.py``; DLRM_IDMAP_KERNEL=torch for their torch version).
+   Measured in
      (a) one process (``Trainer.train_step`` on the in-process fbgemm shard, each step
-         prefetching the next as ``Trainer.fit`` does: dynamic tables remap it meanwhile), the
-         systems interleaved over rounds, medians quoted; twice: the dense step on every core
-         (the remap ahead then competes with it), and on one core fewer (a core spare for the
-         remap, as beside a dense step on a GPU);
+         prefetching the next as ``Trainer.fit`` does), the systems interleaved over rounds,
+         medians quoted; twice: the dense step on every core (the lookup remaps its own ids,
+         ``idmap/ahead.py``: a remap thread would only preempt the step), and on one core fewer
+         (a core spare: dynamic tables remap the next batch meanwhile, as beside a GPU);
      (b) E2,T2: 2 embedding servers + 2 trainers as local processes over Gloo (as
          distributed_throughput.py launches them, --pipeline exact), one launch per system and
          round, interleaved, medians quoted; whole tables, and every table split by rows over
@@ -115,7 +117,7 @@ def single(args, threads: int) -> dict:
     data = {name: hashed if not ids else raw for name, ids in SYSTEMS.items()}
     def run(name: str, start: int, end: int, times: list[float] | None = None) -> None:
         """Steps start..end-1, each prefetching the next as ``Trainer.fit`` does (dynamic tables
-        remap it meanwhile, ``idmap/ahead.py``; hashed: nothing to do), but the last."""
+        remap it meanwhile where a core is spare, ``idmap/ahead.py``; hashed: nothing to do), but the last."""
         trainer, batches = trainers[name], data[name]
         for i in range(start, end):
             t0 = time.perf_counter()
@@ -265,7 +267,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=20_000, help="rows per table (dynamic: its capacity)")
     p.add_argument("--vocab", type=int, default=1_000_000, help="distinct ids per table")
     p.add_argument("--steps", type=int, default=15, help="timed steps per round")
-    p.add_argument("--warmup", type=int, default=25, help="steps that fill the tables before timing")
+    p.add_argument("--warmup", type=int, default=60, help="steps that fill the tables before timing")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the one-process systems")
     p.add_argument("--dist-rounds", type=int, default=2, help="launches of each E2,T2 system")
     p.add_argument("--stream-ids", type=int, default=10_000_000)
@@ -276,7 +278,7 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
     result = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "vocab": args.vocab, "steps": args.steps,
-              "warmup": args.warmup, "rounds": args.rounds, "dist_rounds": args.dist_rounds, "loadavg_start": os.getloadavg()[0],
+              "warmup": args.warmup, "kernel": kernel_in_use(), "rounds": args.rounds, "dist_rounds": args.dist_rounds, "loadavg_start": os.getloadavg()[0],
               "cores": os.cpu_count()}
     if "memory" not in skip:
         result["memory"] = memory(args)
@@ -296,11 +298,18 @@ def main() -> None:
     print(md)
 
 
+def kernel_in_use() -> str:
+    """Which id-map kernel this run's maps use (``idmap/native.py``)."""
+    from embedding_server.idmap import native
+
+    return "C (idmap/idhash.c)" if native.library() is not None else "torch"
+
+
 def render(r: dict) -> str:
     lines = [f"Dynamic ids ({r['date']}; 1-min load average {r['loadavg_start']:.2f} at the start, "
              f"{r['loadavg_end']:.2f} at the end): 26 tables x {r['rows']:,} rows, dim {DIM}, batch {BATCH}, "
-             f"Zipf(1.05) ids over {r['vocab']:,} values per table; {r['warmup']} warm-up steps fill the "
-             f"tables, then every step admits and evicts", ""]
+             f"Zipf(1.05) ids over {r['vocab']:,} values per table; {r['warmup']} warm-up steps, then every step "
+             f"admits and evicts; the id maps' kernel: {r.get('kernel', 'torch')}", ""]
     cores = r.get("cores", 2)
     for part, label in (("single", f"one process, the dense step on all {cores} cores, medians of {r['rounds']} "
                                    f"rounds x {r['steps']} steps"),

@@ -5,10 +5,12 @@ table, the tables full), on one thread.
 An in-process shard (rowwise Adagrad, the kernel the trainer uses) per policy; a warm-up of
 remaps fills the tables, then every timed step remaps a fresh batch (admits, evicts, resets rows).
 No forward or backward runs: this is the map's own cost, the part of dynamic_ids.py's step that
-hashed ids do not pay. Medians over rounds of the policies interleaved.
+hashed ids do not pay. Each policy runs on the maps' C kernel and on their torch version
+(``--kernels``, ``idmap/native.py``), each with its own shard on the same batches; medians over
+rounds of them all interleaved.
 
-Usage: python bench/idmap_step.py [--rows 20000] [--vocab 1000000] [--steps 15] [--warmup 25]
-       [--rounds 3] [--policies lru,lfu] [--tag NAME]
+Usage: python bench/idmap_step.py [--rows 20000] [--vocab 1000000] [--steps 15] [--warmup 60]
+       [--rounds 3] [--policies lru,lfu] [--kernels native,torch] [--tag NAME]
 Writes bench/results/idmap_step{_TAG}.{json,md}.
 """
 
@@ -46,24 +48,29 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=20_000)
     p.add_argument("--vocab", type=int, default=1_000_000)
     p.add_argument("--steps", type=int, default=15, help="timed steps per round and policy")
-    p.add_argument("--warmup", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=60, help="remaps before timing (60 fill the tables)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--policies", default="lru,lfu")
+    p.add_argument("--kernels", default="native,torch", help="the maps' kernels (DLRM_IDMAP_KERNEL values)")
     p.add_argument("--tag", default="", help="suffix of the result files (e.g. before / after)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
     torch.set_num_threads(1)
-    policies = args.policies.split(",")
+    systems = [(pol, k) for pol in args.policies.split(",") for k in args.kernels.split(",")]
     raw, _ = make_batches(args.vocab, args.rows, args.warmup + args.rounds * args.steps)
-    shards = {pol: shard_for(args.rows, pol) for pol in policies}
+    shards = {f"{pol}, {k}": (k, shard_for(args.rows, pol)) for pol, k in systems}
     load0 = os.getloadavg()[0]
-    for shard in shards.values():
+    for kernel, shard in shards.values():
+        use_kernel(kernel)
         for b in raw[: args.warmup]:
             shard.id_maps.remap(b.sparse, train=True)
-    times: dict[str, list[float]] = {pol: [] for pol in policies}
-    cpu: dict[str, list[float]] = {pol: [] for pol in policies}  # thread CPU time: less hit by a loaded machine
+    full = {name: sum(s["rows_used"] for s in shard.id_maps.stats().values()) >= 26 * args.rows
+            for name, (_, shard) in shards.items()}
+    times: dict[str, list[float]] = {name: [] for name in shards}
+    cpu: dict[str, list[float]] = {name: [] for name in shards}  # thread CPU time: less hit by a loaded machine
     for r in range(args.rounds):
-        for pol, shard in shards.items():
+        for pol, (kernel, shard) in shards.items():
+            use_kernel(kernel)
             for b in raw[args.warmup + r * args.steps : args.warmup + (r + 1) * args.steps]:
                 t0, c0 = time.perf_counter(), time.thread_time()
                 shard.id_maps.remap(b.sparse, train=True)
@@ -74,13 +81,24 @@ def main() -> None:
               "threads": 1,
               "policies": {pol: {"step_ms_median": 1e3 * statistics.median(t), "step_ms_min": 1e3 * min(t),
                                  "cpu_ms_median": 1e3 * statistics.median(cpu[pol]),
-                                 **{k: v for k, v in _totals(shards[pol]).items()}} for pol, t in times.items()}}
+                                 "full_at_start": full[pol],
+                                 **{k: v for k, v in _totals(shards[pol][1]).items()}} for pol, t in times.items()}}
     args.out.mkdir(parents=True, exist_ok=True)
     name = "idmap_step" + (f"_{args.tag}" if args.tag else "")
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = render(result)
     (args.out / f"{name}.md").write_text(md)
     print(md)
+
+
+def use_kernel(kernel: str) -> None:
+    """The maps' kernel from now on (``idmap/native.py``: its choice is read on first use)."""
+    from embedding_server.idmap import native
+
+    os.environ[native.ENV] = kernel
+    native.library.cache_clear()
+    if kernel == "native" and native.library() is None:
+        raise SystemExit("the id maps' C kernel does not build here")
 
 
 def _totals(shard) -> dict[str, int]:
@@ -91,12 +109,12 @@ def _totals(shard) -> dict[str, int]:
 def render(r: dict) -> str:
     lines = [f"Id-map step alone ({r['date']}; 1-min load average {r['loadavg_start']:.2f} at the start, "
              f"{r['loadavg_end']:.2f} at the end; one thread): 26 tables x {r['rows']:,} rows, batch {r['batch']}, "
-             f"Zipf(1.05) over {r['vocab']:,} values per table, tables full; {r['rounds']} rounds x {r['steps']} steps",
-             "", "| policy | median ms / step | min ms / step | median CPU ms / step | admitted (total) | evicted (total) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             f"Zipf(1.05) over {r['vocab']:,} values per table; {r['rounds']} rounds x {r['steps']} steps",
+             "", "| policy, kernel | median ms / step | min ms / step | median CPU ms / step | admitted (total) | evicted (total) | full at start |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for pol, t in r["policies"].items():
         lines.append(f"| {pol} | {t['step_ms_median']:.1f} | {t['step_ms_min']:.1f} | {t['cpu_ms_median']:.1f} | {t['admitted']:,} "
-                     f"| {t['evicted']:,} |")
+                     f"| {t['evicted']:,} | {'yes' if t['full_at_start'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

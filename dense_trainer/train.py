@@ -49,6 +49,7 @@ from dlrm_core.schema import FeatureSpec
 from embedding_server.checkpoint import latest_checkpoint
 from embedding_server.client import EmbeddingClient
 from embedding_server.cluster import Cluster
+from embedding_server.idmap.ahead import overlaps
 from embedding_server.optimizers import build_dense_optimizer
 from embedding_server.shard import InProcessEmbeddingClient
 
@@ -105,7 +106,7 @@ class Trainer:
         # 2. embedding client (the SparseArch): shards with the fused sparse optimizer
         self.client = client or InProcessEmbeddingClient(
             self.spec.tables, cfg.embedding.optimizer, cfg.embedding.device, cfg.train.seed,
-            cfg.embedding.init_scale or None, self.spec.feature_tables,
+            cfg.embedding.init_scale or None, self.spec.feature_tables, remap_ahead=overlaps(self.device),
         )
         # 3. dense model: over the tables' vectors, or the tower outputs of compressing towers
         self.towers = self.client.tower_layout

@@ -100,7 +100,8 @@ class DistConfig(Section):
     the current one (results identical to off); semi-sync: lookups do not wait for the previous
     step's update (one step stale); off: lockstep. The hierarchical route is always lockstep.
     In one process (no servers), exact and semi-sync both remap the next batch's ids of dynamic
-    tables during this step (``idmap/ahead.py``, exact either way)."""
+    tables during this step where the dense step leaves a core for it (a GPU, or train.threads
+    below the cores: ``idmap/ahead.py``, exact either way)."""
     corrected_lookups: bool = True
     """exact: look the next batch up before the previous update and then send only the bags that
     update changed, looked up again (``correction.py``; false: wait for the update, then look up)."""

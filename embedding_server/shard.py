@@ -317,6 +317,8 @@ class InProcessEmbeddingClient(EmbeddingClient):
     Args:
         tables: the model's tables.
         feature_tables: the table of each categorical feature (None: one feature per table).
+        remap_ahead: dynamic tables remap the next batch's ids during this step when it is
+            prefetched (``idmap/ahead.py``; the trainer passes :func:`~embedding_server.idmap.ahead.overlaps`).
     """
 
     def __init__(
@@ -327,8 +329,9 @@ class InProcessEmbeddingClient(EmbeddingClient):
         seed: int = 0,
         init_scale: float | None = None,
         feature_tables: list[int] | None = None,
+        remap_ahead: bool = True,
     ) -> None:
-        self.tables = tables
+        self.tables, self.remap_ahead = tables, remap_ahead
         self.feature_tables = list(range(len(tables))) if feature_tables is None else list(feature_tables)
         self.shard = EmbeddingShard(
             [LocalTable(t, i) for i, t in enumerate(tables)], optimizer, device, seed, init_scale,
@@ -340,7 +343,7 @@ class InProcessEmbeddingClient(EmbeddingClient):
     @property
     def can_prefetch(self) -> bool:
         """With dynamic tables on the CPU: their remap of the next batch runs during this step."""
-        return bool(self.shard.id_maps) and self.device.type == "cpu"
+        return self.remap_ahead and bool(self.shard.id_maps) and self.device.type == "cpu"
 
     def prefetch(self, sparse: SparseFeatures) -> None:
         if self.can_prefetch and torch.is_grad_enabled():

@@ -150,6 +150,7 @@ def test_remapping_the_next_batch_ahead_equals_remapping_at_its_lookup(synth_sma
     started = []
     init = ahead.RemapAhead.__init__
     monkeypatch.setattr(ahead.RemapAhead, "__init__", lambda self, *a: (started.append(1), init(self, *a))[1])
+    monkeypatch.setattr("dense_trainer.train.overlaps", lambda device: True)  # whatever cores this machine has
     files = ([synth_small / "train.txt"], [synth_small / "test.txt"])
     embedding = {"ids": "dynamic", "hash_size": 300, "admit_after": 2,
                  "tables": [{"name": "C3", "evict": "lfu"}, {"name": "C5", "evict": "ttl", "ttl_steps": 3},
@@ -170,3 +171,19 @@ def test_remapping_the_next_batch_ahead_equals_remapping_at_its_lookup(synth_sma
     assert max(s["evicted"] for s in ia.values()) > 0  # rows were freed and given again meanwhile
     assert none == 0 and ahead_runs > 50  # every step but the last few remapped its successor ahead
     assert trainer.client._ahead is None  # none was left running
+
+
+def test_the_remap_runs_ahead_only_beside_the_dense_step(monkeypatch):
+    """Ahead where it overlaps (a GPU dense step, or a core the step's threads leave free); in
+    the lookup where the dense step takes every core (a remap thread would preempt its threads)."""
+    from embedding_server.idmap.ahead import overlaps
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        assert not overlaps(torch.device("cpu")) and overlaps(torch.device("cuda", 0))
+        torch.set_num_threads(3)
+        assert overlaps(torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)

@@ -29,6 +29,8 @@ from embedding_server.idmap.dynamic import (
 )
 from embedding_server.idmap.fast import bits, sort_distinct, where_true
 from embedding_server.idmap.hash_table import EMPTY, TOMBSTONE, mix64, probe
+from embedding_server.idmap.native import place as native_place
+from embedding_server.idmap.native import victims as native_victims
 from embedding_server.idmap.sketch import RESET_FACTOR, sketch_cells_of
 from embedding_server.idmap.victims import RecentVictims
 
@@ -226,6 +228,12 @@ class MapGroup:
         top = clock - self.cfg.ttl_steps if self.cfg.evict == "ttl" else clock - 2  # movable: last <= top
         if below is None and int(n.max()) < self.rows and self.recent.fits(clock):  # lru, ttl: from the lists
             return self.recent.choose(tabs, n, self.s["last"], self.s["used"], top, clock)
+        if below is None or int(below.max()) * (clock + 2) * self.rows < 1 << 62:  # the keys fit: in C
+            fast = native_victims(self.s["last"], self.s["used"], self.s["uses"], tabs.contiguous(), n.contiguous(),
+                                  None if below is None else below.contiguous(), top,
+                                  (clock + 1) * self.rows if below is not None else 0)
+            if fast is not None:
+                return fast
         every = tabs.numel() == self.count  # tabs is 0..M-1: no copies
         last, used, uses = ((self.s[n] if every else self.s[n].index_select(0, tabs))
                             for n in ("last", "used", "uses"))  # [m, R]
@@ -336,6 +344,12 @@ class MapGroup:
         their tables (linear probing; keys aiming at one bucket: the first takes it); tombstones
         reused are counted off. Each round claims buckets in ``slots`` only; the keys, the row ->
         bucket cache and the counts are written once at the end."""
+        fast = native_place(self.keys, self.slots, keys, tables, slots, self.buckets)  # in order, in C
+        if fast is not None:
+            wp, reused = fast
+            self.s["table_counts"][:, 1] -= torch.bincount(tables.masked_select(reused), minlength=self.count)
+            self.bucket_of.index_copy_(0, (tables * self.rows).add_(slots), wp)
+            return
         mask = self.buckets - 1
         active = torch.arange(keys.numel())  # [a] keys still looking for a bucket
         p = (tables * self.buckets).add_(mix64(keys).bitwise_and_(mask))  # [a] the bucket each tries

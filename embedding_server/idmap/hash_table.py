@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from embedding_server.idmap.fast import where_true
+from embedding_server.idmap.native import place as native_place
+from embedding_server.idmap.native import probe as native_probe
 
 EMPTY, TOMBSTONE = -1, -2
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -48,7 +50,10 @@ def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torc
     """Bucket of each id in ``keys``/``slots`` [H], int64 [n] (-1: absent). Id i probes buckets
     base_i + ((home + k) & mask_i): several tables laid side by side in one buffer are searched
     in one call (``base``, ``mask``: per id, or one int for a single table). ``with_slots``:
-    -> (buckets [n], the slot of each id [n], -1: absent)."""
+    -> (buckets [n], the slot of each id [n], -1: absent). In C where it is built (``native.py``)."""
+    fast = native_probe(keys, slots, ids, base, mask, with_slots)
+    if fast is not None:
+        return fast
     pos = (mix64(ids) & mask) + base  # [n] home buckets
     s = slots.index_select(0, pos)  # index_select: far cheaper than x[index] on CPU
     hit = (s >= 0).logical_and_(keys.index_select(0, pos) == ids)  # the first round over every id, most end here
@@ -134,6 +139,11 @@ class IdHashTable:
         """Add ``keys`` (distinct, all absent) with their ``slots``."""
         if self.live + self.tombstones + keys.numel() > (self.mask + 1) // 2:
             self._rebuild()
+        fast = native_place(self.keys, self.slots, keys, None, slots, self.mask + 1)  # in order, in C
+        if fast is not None:
+            self.tombstones -= int(fast[1].sum())
+            self.live += keys.numel()
+            return
         pos = self._home(keys)
         active = torch.arange(keys.numel())
         while active.numel():

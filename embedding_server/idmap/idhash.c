@@ -1,0 +1,163 @@
+/* The id maps' hash-table probes and inserts in C (hash_table.py holds the layout and the torch
+ * version of the same two loops; native.py builds and loads this file).
+ *
+ * Buckets: keys[H] (raw ids) and slots[H] (>= 0: the key's slot; -1 empty; -2 a tombstone).
+ * A key's home is base + (mix64(key) & mask), and it probes base + ((home + k) & mask): several
+ * tables laid side by side in one buffer, each a power of two of buckets. Plain loops over the
+ * batch, one id at a time: a probe is one or two cache misses, which the torch version pays as
+ * a dozen full-batch tensor passes. No allocation, no global state; ctypes releases the GIL.
+ */
+#include <stdint.h>
+
+#define EMPTY (-1)
+#define TOMBSTONE (-2)
+
+/* splitmix64's finaliser of x + golden (hash_table.mix64 with salt 0). */
+static inline uint64_t mix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+#define AHEAD 16 /* ids whose home buckets are prefetched ahead of the one probed */
+
+static inline int64_t home_of(const int64_t *ids, const int64_t *base, int64_t base0, const int64_t *mask,
+                              int64_t mask0, int64_t i) {
+    const int64_t b = base ? base[i] : base0, m = mask ? mask[i] : mask0;
+    return b + (int64_t)(mix64((uint64_t)ids[i]) & (uint64_t)m);
+}
+
+/* Bucket of each of ids[n] (-1: absent) into out_pos, and its slot (-1: absent) into out_slot
+ * when not NULL. base / mask: per id, or NULL and base0 / mask0 for every id. The buckets of
+ * the next AHEAD ids are prefetched: a probe is a cache miss, and misses overlap this way. */
+void idhash_probe(const int64_t *keys, const int64_t *slots, const int64_t *ids, int64_t n,
+                  const int64_t *base, int64_t base0, const int64_t *mask, int64_t mask0,
+                  int64_t *out_pos, int64_t *out_slot) {
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        const int64_t p = home_of(ids, base, base0, mask, mask0, i);
+        __builtin_prefetch(&slots[p]);
+        __builtin_prefetch(&keys[p]);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            const int64_t p = home_of(ids, base, base0, mask, mask0, i + AHEAD);
+            __builtin_prefetch(&slots[p]);
+            __builtin_prefetch(&keys[p]);
+        }
+        const int64_t b = base ? base[i] : base0, m = mask ? mask[i] : mask0, id = ids[i];
+        int64_t h = home_of(ids, base, base0, mask, mask0, i) - b, pos = -1, slot = -1;
+        for (int64_t k = 0; k <= m; k++) {  /* at most every bucket once (a table never fills) */
+            const int64_t s = slots[b + h];
+            if (s == EMPTY)
+                break;
+            if (s >= 0 && keys[b + h] == id) {
+                pos = b + h;
+                slot = s;
+                break;
+            }
+            h = (h + 1) & m;
+        }
+        out_pos[i] = pos;
+        if (out_slot)
+            out_slot[i] = slot;
+    }
+}
+
+/* Insert new_keys[n] (distinct, absent) with new_slots[n], in order, each into the first empty
+ * or tombstone bucket from its home in table tables[i] (NULL: table 0) of `buckets` buckets.
+ * out_pos[i]: its bucket; out_reused[i]: 1 where that bucket was a tombstone. Returns the index
+ * of the first key that found no bucket (a full table: the caller rebuilds first), or n. */
+int64_t idhash_place(int64_t *keys, int64_t *slots, const int64_t *new_keys, const int64_t *tables,
+                     const int64_t *new_slots, int64_t n, int64_t buckets, int64_t *out_pos,
+                     uint8_t *out_reused) {
+    const int64_t m = buckets - 1;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {  /* as in idhash_probe */
+            const int64_t j = i + AHEAD, p = (tables ? tables[j] * buckets : 0) + (int64_t)(mix64((uint64_t)new_keys[j]) & (uint64_t)m);
+            __builtin_prefetch(&slots[p], 1);
+            __builtin_prefetch(&keys[p], 1);
+        }
+        const int64_t b = tables ? tables[i] * buckets : 0, key = new_keys[i];
+        int64_t h = (int64_t)(mix64((uint64_t)key) & (uint64_t)m), k = 0;
+        while (slots[b + h] >= 0 && k++ <= m)
+            h = (h + 1) & m;
+        if (slots[b + h] >= 0)
+            return i;
+        out_reused[i] = slots[b + h] == TOMBSTONE;
+        keys[b + h] = key;
+        slots[b + h] = new_slots[i];
+        out_pos[i] = b + h;
+    }
+    return n;
+}
+
+/* -- victims: the lowest keys of each table's movable rows ------------------------------------- */
+
+static void sort_keys(int64_t *a, int64_t n) {  /* insertion sort below 32, else quicksort */
+    while (n > 32) {
+        int64_t mid = a[n / 2], i = 0, j = n - 1;
+        while (i <= j) {
+            while (a[i] < mid) i++;
+            while (a[j] > mid) j--;
+            if (i <= j) { int64_t t = a[i]; a[i++] = a[j]; a[j--] = t; }
+        }
+        if (j + 1 < n - i) { sort_keys(a, j + 1); a += i; n -= i; }
+        else { sort_keys(a + i, n - i); n = j + 1; }
+    }
+    for (int64_t i = 1; i < n; i++) {
+        int64_t v = a[i], j = i - 1;
+        while (j >= 0 && a[j] > v) { a[j + 1] = a[j]; j--; }
+        a[j + 1] = v;
+    }
+}
+
+/* Leave the k smallest of a[0..n) in a[0..k), in any order (quickselect; distinct keys). */
+static void select_lowest(int64_t *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, rounds = 0;
+    while (hi - lo > 32 && rounds++ < 64) {
+        int64_t x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi];  /* median of three */
+        int64_t mid = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] < mid) i++;
+            while (a[j] > mid) j--;
+            if (i <= j) { int64_t t = a[i]; a[i++] = a[j]; a[j--] = t; }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else return;
+    }
+    if (hi > lo) sort_keys(a + lo, hi - lo + 1);  /* small or stubborn: sorted outright */
+}
+
+/* For each i < m: of table tabs[i]'s rows (last, used, uses: [*, rows] row-major), those movable
+ * (used, last <= top, and uses < below[i] where below is not NULL), by key uses * lfu + last *
+ * rows + row ascending (lfu: 0 for least recent first), the first n[i]: their table, row and rank
+ * into out_tab / out_row / out_rank. scratch: `rows` int64s. Returns the rows written (at most
+ * the sum of n[i]). Keys must not overflow (the caller checks). */
+int64_t idhash_victims(const int64_t *last, const uint8_t *used, const int64_t *uses, const int64_t *tabs,
+                       const int64_t *n, const int64_t *below, int64_t m, int64_t rows, int64_t top, int64_t lfu,
+                       int64_t *scratch, int64_t *out_tab, int64_t *out_row, int64_t *out_rank) {
+    int64_t out = 0;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t t = tabs[i], off = t * rows, limit = below ? below[i] : INT64_MAX;
+        int64_t c = 0;
+        for (int64_t r = 0; r < rows; r++) {  /* branch-free: movability is a coin toss per row */
+            scratch[c] = uses[off + r] * lfu + last[off + r] * rows + r;
+            c += (used[off + r] != 0) & (last[off + r] <= top) & (uses[off + r] < limit);
+        }
+        const int64_t k = n[i] < c ? n[i] : c;
+        if (k <= 0)
+            continue;
+        if (k < c)
+            select_lowest(scratch, c, k);
+        sort_keys(scratch, k);
+        for (int64_t j = 0; j < k; j++) {
+            out_tab[out] = t;
+            out_row[out] = scratch[j] % rows;
+            out_rank[out++] = j;
+        }
+    }
+    return out;
+}

@@ -1,0 +1,158 @@
+"""The id maps' C kernel (``idmap/idhash.c`` via ``idmap/native.py``) makes exactly the torch
+version's decisions: the same slot for every probed id, the same rows admitted, evicted and
+reset, the same map state after every step. Hash buckets may differ (C inserts one key after
+another, torch in rounds); every id still finds its own.
+
+CI sets DLRM_IDMAP_KERNEL=native, so there a kernel that does not build fails these tests rather
+than skipping them."""
+
+import os
+
+import pytest
+import torch
+
+from dlrm_core.batch import SparseFeatures
+from dlrm_core.errors import ConfigError
+from embedding_server.idmap import native
+from embedding_server.idmap.hash_table import TOMBSTONE, IdHashTable, probe
+from embedding_server.idmap.remap import ShardIdMaps
+
+from .test_idmap_batched import HASHED_ROWS, stream, tables_for
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """kernel(mode): the maps use ``mode`` (auto / torch / native) from now on in this test."""
+    def use(mode: str) -> None:
+        monkeypatch.setenv(native.ENV, mode)
+        native.library.cache_clear()
+
+    yield use
+    native.library.cache_clear()
+
+
+def test_the_kernel_builds_where_ci_requires_it(kernel):
+    kernel(os.environ.get(native.ENV, "auto"))
+    if os.environ.get(native.ENV) == "native":
+        assert native.library() is not None
+    elif native.library() is None:
+        pytest.skip("no C compiler here: the torch version runs")
+
+
+def test_probe_and_insert_agree_with_torch(kernel):
+    kernel("native")
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randint(-(2**63), 2**63 - 1, (6000,), generator=gen, dtype=torch.int64)
+    keys = torch.unique(torch.cat([keys, torch.tensor([-1, 0, 1, 2**63 - 1, -(2**63)])]))  # edge ids too
+    keys = keys[torch.randperm(keys.numel(), generator=gen)]
+    tables = {}
+    for mode in ("torch", "native"):
+        kernel(mode)
+        t = IdHashTable(8000)
+        t.insert(keys[:4000], torch.arange(4000))
+        t.delete(keys[1000:2500])  # tombstones, reused by the next inserts
+        t.insert(keys[4000:], torch.arange(4000, keys.numel()))
+        tables[mode] = t
+    queries = torch.cat([keys, torch.randint(-(2**62), 2**62, (3000,), generator=gen)])
+    want = torch.arange(keys.numel()).masked_fill(torch.arange(keys.numel()).ge(1000) & torch.arange(keys.numel()).lt(2500), -1)
+    want = torch.cat([want, torch.full((3000,), -1)])
+    for mode, t in tables.items():
+        for probing in ("torch", "native"):  # each table read by both probes
+            kernel(probing)
+            assert torch.equal(t.find(queries), want), (mode, probing)
+        assert t.live == keys.numel() - 1500
+    assert tables["native"].tombstones == tables["torch"].tombstones  # the same tombstones reused
+
+
+def test_probe_of_tables_side_by_side_with_per_id_masks(kernel):
+    """Several tables in one buffer, each id with its table's base and mask (``remap.py``)."""
+    tabs = [IdHashTable(100), IdHashTable(700), IdHashTable(30)]
+    keys = torch.cat([t.keys for t in tabs])
+    slots = torch.cat([t.slots for t in tabs])
+    gen = torch.Generator().manual_seed(1)
+    ids, bases, masks, want, start = [], [], [], [], 0
+    for i, t in enumerate(tabs):
+        n = (t.mask + 1) // 4
+        mine = torch.randint(-(2**40), 2**40, (n,), generator=gen) * 3 + i
+        t2 = IdHashTable(n, keys[start : start + t.mask + 1], slots[start : start + t.mask + 1])
+        t2.insert(mine, torch.arange(n) + 10 * i)
+        ids += [mine, mine + 1]  # present, and (almost surely) absent
+        bases.append(torch.full((2 * n,), start))
+        masks.append(torch.full((2 * n,), t.mask))
+        want += [torch.arange(n) + 10 * i, torch.full((n,), -1)]
+        start += t.mask + 1
+    ids, base, mask, want = torch.cat(ids), torch.cat(bases), torch.cat(masks), torch.cat(want)
+    got = {}
+    for mode in ("torch", "native"):
+        kernel(mode)
+        got[mode] = probe(keys, slots, ids, base, mask, with_slots=True)
+        assert torch.equal(got[mode][1], want), mode
+    assert torch.equal(got["torch"][0], got["native"][0])
+
+
+def test_place_reports_tombstones_and_a_full_table(kernel):
+    kernel("native")
+    keys, slots = torch.zeros(8, dtype=torch.int64), torch.full((8,), -1, dtype=torch.int64)
+    slots[3] = TOMBSTONE
+    pos, reused = native.place(keys, slots, torch.arange(8) * 977, None, torch.arange(8) + 100, 8)
+    assert sorted(pos.tolist()) == list(range(8)) and int(reused.sum()) == 1 and bool(reused[pos == 3].all())
+    with pytest.raises(RuntimeError, match="no free bucket"):
+        native.place(keys, slots, torch.tensor([12345]), None, torch.tensor([0]), 8)
+
+
+@pytest.mark.parametrize(("policy", "admit_after", "shared"), [("lru", 1, 0.25), ("lfu", 1, 0.1), ("lfu", 3, 0.1),
+                                                               ("ttl", 2, 0.25)])
+def test_a_stream_of_steps_makes_the_torch_versions_decisions(kernel, policy, admit_after, shared):
+    """Every remap, reset and read of a churning stream, and the maps' state after every step."""
+    runs = {}
+    for mode in ("torch", "native"):
+        kernel(mode)
+        tables = tables_for(policy, admit_after, shared)
+        calls: list = []
+
+        def read(pieces, rows, calls=calls):
+            calls.append(("read", pieces.tolist(), rows.tolist()))
+            return torch.zeros(rows.numel(), 4)
+
+        shard = ShardIdMaps(tables, list(range(len(tables))),
+                            lambda p, r, w, calls=calls: calls.append(("reset", p.tolist(), r.tolist())), read)
+        rows, states = [], []
+        for ids in stream(30, 4096, len(tables), seed=len(policy) + admit_after):
+            ids[1] %= HASHED_ROWS
+            rows.append(shard.remap(SparseFeatures.one_hot(ids), train=True).values)
+            states.append({(t, k): v.clone() for t, m in shard.maps.items() for k, v in m.state().items()
+                           if not k.startswith("table.")})  # buckets aside: C places keys one by one
+        test = stream(1, 4096, len(tables), seed=99)[0]
+        test[1] %= HASHED_ROWS
+        runs[mode] = (rows, states, calls, shard.remap(SparseFeatures.one_hot(test), train=False).values, shard.stats())
+    (r0, s0, c0, e0, st0), (r1, s1, c1, e1, st1) = runs["torch"], runs["native"]
+    assert all(torch.equal(a, b) for a, b in zip(r0, r1, strict=True))
+    for step, (a, b) in enumerate(zip(s0, s1, strict=True)):
+        for key in a:
+            assert torch.equal(a[key], b[key]), (step, key)
+    assert c0 == c1 and torch.equal(e0, e1) and st0 == st1
+    assert sum(s["evicted"] for s in st0.values()) > 1000  # the stream churned
+
+
+def test_kernel_modes_and_a_failed_build(kernel, monkeypatch, tmp_path, caplog):
+    kernel("bogus")
+    with pytest.raises(ConfigError, match="auto, torch or native"):
+        native.library()
+    kernel("torch")
+    assert native.library() is None
+    source = tmp_path / "pkg" / "idhash.c"  # a source no build exists of, and no compiler for it
+    source.parent.mkdir()
+    source.write_text(native.SOURCE.read_text() + "\n/* another version */\n")
+    monkeypatch.setattr(native, "SOURCE", source)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "/bin/false")
+    kernel("native")
+    with pytest.raises(ConfigError, match="DLRM_IDMAP_KERNEL=native but"):
+        native.library()
+    kernel("auto")
+    assert native.library() is None
+    assert "using the torch version" in caplog.text
+    monkeypatch.delenv("CC")
+    if native.shutil.which("cc") or native.shutil.which("gcc"):  # and with a compiler: built once, beside the source
+        kernel("native")
+        assert native.library() is not None and len(list(source.parent.glob("_idhash-*.so"))) == 1
