@@ -2,10 +2,10 @@
 
 A training lookup of dynamic tables probes every id's bucket and inserts the new ones; in torch
 that is a dozen full-batch tensor passes per probe round (``hash_table.probe``), in C one pass
-with one or two cache misses per id: about 6x less time for the probe of a 26-table batch of 53k
-ids (0.57 ms against 3.5 ms, one thread). fbgemm 1.8's ``zero_collision_hash`` was measured as
-the library alternative and is slower than the torch loop on CPU (3.0 ms for one probe each, and
-read-only there), so the map keeps its own.
+with one or two cache misses per id, the next ids' buckets prefetched: 0.57 ms against 3.5 ms
+for a warm 26-table batch of 53k ids (one thread). fbgemm 1.8's ``zero_collision_hash`` was
+measured as the library alternative and is slower than the torch loop on CPU (5.3 ms with the
+probes it needs, 3.0 ms with one each; read-only there), so the map keeps its own.
 
 The library is built once per source version with the system C compiler (``$CC``, else ``cc``)
 into this package's directory, or where that is not writable into ``$XDG_CACHE_HOME`` (default
