@@ -156,3 +156,35 @@ def test_kernel_modes_and_a_failed_build(kernel, monkeypatch, tmp_path, caplog):
     if native.shutil.which("cc") or native.shutil.which("gcc"):  # and with a compiler: built once, beside the source
         kernel("native")
         assert native.library() is not None and len(list(source.parent.glob("_idhash-*.so"))) == 1
+
+
+def test_freeing_rows_with_a_stale_bucket_cache(kernel):
+    """C's release finds each freed id's bucket through the row -> bucket cache where it holds,
+    by probing where it is stale (unknown, or pointing at another table's or row's bucket), and
+    leaves the group as the torch release does; an id not in its map is a clear error."""
+    from .test_idmap_batched import churned_group
+
+    kernel("native")
+    groups = {}
+    for mode in ("torch", "native"):
+        kernel(mode)
+        group = churned_group("lru", 1)
+        group.bucket_of[::3] = -1
+        group.bucket_of[1::3] = torch.roll(group.bucket_of[1::3], 7)
+        used = torch.nonzero(group.s["used"])
+        group._release(used[::2, 0].contiguous(), used[::2, 1].contiguous())
+        groups[mode] = group
+    a, b = groups["torch"], groups["native"]
+    def live(g):  # (table, id, row) of every live bucket, sorted (buckets may differ: C inserts one by one)
+        at = torch.nonzero(g.slots >= 0).squeeze(1)
+        return sorted(zip((at // g.buckets).tolist(), g.keys[at].tolist(), g.slots[at].tolist(), strict=True))
+
+    assert live(a) == live(b) and int((a.slots == TOMBSTONE).sum()) == int((b.slots == TOMBSTONE).sum())
+    for name in ("used", "free", "counters", "table_counts", "row_id"):
+        assert torch.equal(a.s[name], b.s[name]), name
+    used = torch.nonzero(b.s["used"])
+    truth = probe(b.keys, b.slots, b.s["row_id"][used[:4, 0], used[:4, 1]], used[:4, 0] * b.buckets, b.buckets - 1)
+    b.slots[truth] = TOMBSTONE  # those ids are no longer in the map
+    b.bucket_of.fill_(-1)
+    with pytest.raises(KeyError, match="freed row"):
+        b._release(used[:4, 0].contiguous(), used[:4, 1].contiguous())

@@ -30,6 +30,7 @@ from embedding_server.idmap.dynamic import (
 from embedding_server.idmap.fast import bits, sort_distinct, where_true
 from embedding_server.idmap.hash_table import EMPTY, TOMBSTONE, mix64, probe
 from embedding_server.idmap.native import place as native_place
+from embedding_server.idmap.native import release as native_release
 from embedding_server.idmap.native import victims as native_victims
 from embedding_server.idmap.sketch import RESET_FACTOR, sketch_cells_of
 from embedding_server.idmap.victims import RecentVictims
@@ -284,6 +285,9 @@ class MapGroup:
         """Free ``rows`` [v] of ``tables`` [v] (by table): their ids leave the maps, the rows go
         back on the free stacks in this order."""
         if not rows.numel():
+            return
+        if native_release(self.keys, self.slots, self.s, self.bucket_of, tables.contiguous(), rows.contiguous(),
+                          self.shared, (FREE, EVICTED)):
             return
         pos = self._buckets_of(tables, rows)
         self.slots.index_fill_(0, pos, TOMBSTONE)

@@ -1,5 +1,7 @@
-/* The id maps' hash-table probes and inserts in C (hash_table.py holds the layout and the torch
- * version of the same two loops; native.py builds and loads this file).
+/* The id maps' hot loops in C: hash-table probes and inserts (hash_table.py holds the layout and
+ * the torch version), a training lookup's probe-and-touch and the freeing of rows (remap.py,
+ * batched.py), the choice of victims by key (batched.py). native.py builds and loads this file;
+ * each function makes exactly the decisions of the torch code it replaces.
  *
  * Buckets: keys[H] (raw ids) and slots[H] (>= 0: the key's slot; -1 empty; -2 a tombstone).
  * A key's home is base + (mix64(key) & mask), and it probes base + ((home + k) & mask): several
@@ -21,6 +23,21 @@ static inline uint64_t mix64(uint64_t x) {
 }
 
 #define AHEAD 16 /* ids whose home buckets are prefetched ahead of the one probed */
+
+/* The bucket holding id in the table of buckets b..b+m (linear probing from its home; past
+ * tombstones and other keys, stopping at an empty bucket), or -1. */
+static inline int64_t find_in(const int64_t *keys, const int64_t *slots, int64_t b, int64_t m, int64_t id) {
+    int64_t h = (int64_t)(mix64((uint64_t)id) & (uint64_t)m);
+    for (int64_t k = 0; k <= m; k++) {  /* at most every bucket once (a table never fills) */
+        const int64_t s = slots[b + h];
+        if (s == EMPTY)
+            return -1;
+        if (s >= 0 && keys[b + h] == id)
+            return b + h;
+        h = (h + 1) & m;
+    }
+    return -1;
+}
 
 static inline int64_t home_of(const int64_t *ids, const int64_t *base, int64_t base0, const int64_t *mask,
                               int64_t mask0, int64_t i) {
@@ -45,22 +62,10 @@ void idhash_probe(const int64_t *keys, const int64_t *slots, const int64_t *ids,
             __builtin_prefetch(&slots[p]);
             __builtin_prefetch(&keys[p]);
         }
-        const int64_t b = base ? base[i] : base0, m = mask ? mask[i] : mask0, id = ids[i];
-        int64_t h = home_of(ids, base, base0, mask, mask0, i) - b, pos = -1, slot = -1;
-        for (int64_t k = 0; k <= m; k++) {  /* at most every bucket once (a table never fills) */
-            const int64_t s = slots[b + h];
-            if (s == EMPTY)
-                break;
-            if (s >= 0 && keys[b + h] == id) {
-                pos = b + h;
-                slot = s;
-                break;
-            }
-            h = (h + 1) & m;
-        }
+        const int64_t pos = find_in(keys, slots, base ? base[i] : base0, mask ? mask[i] : mask0, ids[i]);
         out_pos[i] = pos;
         if (out_slot)
-            out_slot[i] = slot;
+            out_slot[i] = pos >= 0 ? slots[pos] : -1;
     }
 }
 
@@ -160,4 +165,74 @@ int64_t idhash_victims(const int64_t *last, const uint8_t *used, const int64_t *
         }
     }
     return out;
+}
+
+/* -- a training lookup's probe: found ids' rows touched on the way ------------------------------ */
+
+/* Row of each of ids[n] in map k[i] (buckets from bucket_base[k], mask bucket_mask[k]; its rows
+ * from row_base[k] in last / uses) into out_rows (-1: absent); each found id's row gets last =
+ * clock and one more use (repeats counted). The positions of the absent ids go to out_absent, in
+ * order; returns their count. */
+int64_t idhash_find_touch(const int64_t *keys, const int64_t *slots, const int64_t *ids, const int64_t *k,
+                          int64_t n, const int64_t *bucket_base, const int64_t *bucket_mask,
+                          const int64_t *row_base, int64_t *last, int64_t *uses, int64_t clock,
+                          int64_t *out_rows, int64_t *out_absent) {
+    for (int64_t i = 0; i < n && i < AHEAD; i++) {
+        const int64_t p = bucket_base[k[i]] + (int64_t)(mix64((uint64_t)ids[i]) & (uint64_t)bucket_mask[k[i]]);
+        __builtin_prefetch(&slots[p]);
+        __builtin_prefetch(&keys[p]);
+    }
+    int64_t absent = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n) {
+            const int64_t j = i + AHEAD;
+            const int64_t p = bucket_base[k[j]] + (int64_t)(mix64((uint64_t)ids[j]) & (uint64_t)bucket_mask[k[j]]);
+            __builtin_prefetch(&slots[p]);
+            __builtin_prefetch(&keys[p]);
+        }
+        const int64_t pos = find_in(keys, slots, bucket_base[k[i]], bucket_mask[k[i]], ids[i]);
+        const int64_t slot = pos >= 0 ? slots[pos] : -1;
+        out_rows[i] = slot;
+        if (slot >= 0) {
+            const int64_t flat = row_base[k[i]] + slot;
+            last[flat] = clock;
+            uses[flat] += 1;
+        } else {
+            out_absent[absent++] = i;
+        }
+    }
+    return absent;
+}
+
+/* -- freeing rows ------------------------------------------------------------------------------- */
+
+/* MapGroup._release: rows[i] of table tables[i] (by table; a group of tables of `rows` rows, S
+ * shared, `buckets` buckets each) lose their ids and go back on their table's free stack in this
+ * order. Each id's bucket comes from bucket_of where that still holds it, else is probed.
+ * counters: [M, ncol] (column col_free: free rows, col_evicted: evictions); table_counts [M, 2]
+ * (live keys, tombstones). Returns n, or the index of the first row whose id is not in its map
+ * (the state is then partly updated: the caller raises). */
+int64_t idhash_release(const int64_t *keys, int64_t *slots, const int64_t *row_id, const int64_t *bucket_of,
+                       uint8_t *used, int64_t *free_stack, int64_t *counters, int64_t ncol, int64_t col_free,
+                       int64_t col_evicted, int64_t *table_counts, const int64_t *tables, const int64_t *rows_,
+                       int64_t n, int64_t rows, int64_t shared, int64_t buckets) {
+    const int64_t m = buckets - 1;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = tables[i], r = rows_[i], flat = t * rows + r, id = row_id[flat];
+        int64_t pos = bucket_of[flat];
+        if (!(pos >= t * buckets && pos < (t + 1) * buckets && slots[pos] == r && keys[pos] == id)) {
+            pos = find_in(keys, slots, t * buckets, m, id);  /* the cache is stale: probed */
+            if (pos < 0)
+                return i;
+        }
+        slots[pos] = TOMBSTONE;
+        used[flat] = 0;
+        int64_t *c = counters + t * ncol;
+        free_stack[t * (rows - shared) + c[col_free]] = r;
+        c[col_free] += 1;
+        c[col_evicted] += 1;
+        table_counts[2 * t] -= 1;
+        table_counts[2 * t + 1] += 1;
+    }
+    return n;
 }

@@ -1,4 +1,7 @@
-"""The hash-table loops of ``idhash.c``, compiled on first use and called through ctypes.
+"""The id maps' hot loops of ``idhash.c``, compiled on first use and called through ctypes:
+:func:`probe` and :func:`place` (``hash_table.py``), :func:`find_touch` (a training lookup's
+probe, ``remap.py``), :func:`release` and :func:`victims` (``batched.py``). Each returns None (or
+False) where the library is off, and the caller runs its torch code, which decides the same.
 
 A training lookup of dynamic tables probes every id's bucket and inserts the new ones; in torch
 that is a dozen full-batch tensor passes per probe round (``hash_table.probe``), in C one pass
@@ -121,6 +124,10 @@ def library() -> ctypes.CDLL | None:
     lib.idhash_place.restype = _I
     lib.idhash_victims.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P]
     lib.idhash_victims.restype = _I
+    lib.idhash_find_touch.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _P]
+    lib.idhash_find_touch.restype = _I
+    lib.idhash_release.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _I, _I]
+    lib.idhash_release.restype = _I
     return lib
 
 
@@ -194,6 +201,48 @@ def victims(last: torch.Tensor, used: torch.Tensor, uses: torch.Tensor, tabs: to
                              _ptr(below), tabs.numel(), rows, top, lfu, scratch.data_ptr(),
                              out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr())
     return out[0, :got], out[1, :got], out[2, :got]
+
+
+def find_touch(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, k: torch.Tensor,
+               bucket_base: torch.Tensor, bucket_mask: torch.Tensor, row_base: torch.Tensor, last: torch.Tensor,
+               uses: torch.Tensor, clock: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A training lookup's probe (``ShardIdMaps._train``): the row of each of ids [n] in its map
+    k [n] (-1: absent), each found id's row touched (last = clock, one more use, repeats counted)
+    -> (rows [n], positions of the absent ids [a]); None where the library is off."""
+    lib = library()
+    if lib is None or not _usable(keys, slots, ids, k, bucket_base, bucket_mask, row_base, last, uses):
+        return None
+    n = ids.numel()
+    rows, absent = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    a = lib.idhash_find_touch(keys.data_ptr(), slots.data_ptr(), ids.data_ptr(), k.data_ptr(), n,
+                              bucket_base.data_ptr(), bucket_mask.data_ptr(), row_base.data_ptr(), last.data_ptr(),
+                              uses.data_ptr(), clock, rows.data_ptr(), absent.data_ptr())
+    return rows, absent[:a]
+
+
+def release(keys: torch.Tensor, slots: torch.Tensor, state: dict[str, torch.Tensor], bucket_of: torch.Tensor,
+            tables: torch.Tensor, rows: torch.Tensor, shared: int, columns: tuple[int, int]) -> bool:
+    """``MapGroup._release`` in C: rows [v] of tables [v] (by table) freed: their ids' buckets
+    tombstoned (found through ``bucket_of`` or probed), the rows unused and pushed on the free
+    stacks in order, the counters (``columns``: free, evicted) and live / tombstone counts moved.
+    False where the library is off (nothing done).
+
+    Raises:
+        KeyError: a freed row's id is not in its map.
+    """
+    lib = library()
+    names = ("row_id", "free", "counters", "table_counts")
+    if lib is None or not _usable(keys, slots, bucket_of, tables, rows, *(state[k] for k in names)) or (
+            not state["used"].is_contiguous()):
+        return False
+    count, r = state["row_id"].shape
+    done = lib.idhash_release(keys.data_ptr(), slots.data_ptr(), state["row_id"].data_ptr(), bucket_of.data_ptr(),
+                              state["used"].data_ptr(), state["free"].data_ptr(), state["counters"].data_ptr(),
+                              state["counters"].shape[1], columns[0], columns[1], state["table_counts"].data_ptr(),
+                              tables.data_ptr(), rows.data_ptr(), rows.numel(), r, shared, slots.numel() // count)
+    if done != rows.numel():
+        raise KeyError("MapGroup: a freed row's id is not in its map")
+    return True
 
 
 def main() -> None:

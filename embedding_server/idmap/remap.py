@@ -34,6 +34,7 @@ from embedding_server.idmap.dynamic import (
 )
 from embedding_server.idmap.fast import where_true
 from embedding_server.idmap.hash_table import EMPTY, _shr, buckets_for, mix64, probe
+from embedding_server.idmap.native import find_touch as native_find_touch
 from embedding_server.idmap.pieces import PieceLayout
 from embedding_server.idmap.sketch import DEPTH, sketch_cells
 from embedding_server.local_table import LocalTable
@@ -250,12 +251,18 @@ class ShardIdMaps:
         (repeats add their uses); the absent ones are admitted as distinct (map, id) pairs (u)."""
         clock, default = COUNTERS.index("clock"), COUNTERS.index("default_lookups")
         self.counters[:, clock] += 1
-        rows = self._find(ids, k)  # [n]
-        known = where_true(rows >= 0)
-        flat = self.row_base.index_select(0, k.index_select(0, known)).add_(rows.index_select(0, known))
-        self.last.index_fill_(0, flat, int(self.counters[0, clock]))  # every map ticks together
-        self.uses.index_add_(0, flat, torch.ones_like(flat))
-        absent = where_true(rows < 0)
+        now = int(self.counters[0, clock])  # every map ticks together
+        fast = native_find_touch(self.keys, self.slots, ids, k, self.bucket_base, self.bucket_mask, self.row_base,
+                                 self.last, self.uses, now)
+        if fast is not None:  # in C: the probe and the found rows' touch in one pass
+            rows, absent = fast
+        else:
+            rows = self._find(ids, k)  # [n]
+            known = where_true(rows >= 0)
+            flat = self.row_base.index_select(0, k.index_select(0, known)).add_(rows.index_select(0, known))
+            self.last.index_fill_(0, flat, now)
+            self.uses.index_add_(0, flat, torch.ones_like(flat))
+            absent = where_true(rows < 0)
         if absent.numel():
             uid, uk, inverse, counts = table_pairs(ids.index_select(0, absent), k.index_select(0, absent),
                                                    len(self.map_list))  # [u] by map, then id
