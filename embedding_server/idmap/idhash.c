@@ -236,3 +236,36 @@ int64_t idhash_release(const int64_t *keys, int64_t *slots, const int64_t *row_i
     }
     return n;
 }
+
+/* -- lru / ttl victims from the sorted lists (victims.py) -------------------------------------- */
+
+/* RecentVictims._take: for each i < m, table tabs[i]'s first n[i] true entries of list[head..end)
+ * (entry: table << (wb + rb) | last << rb | row; true: the row is used and its last use is still
+ * the one listed), as (table, row, rank) into out_*; its head then moves past the last one taken,
+ * or to its end when fewer were true. head / end: [M] per table of the group. Where `strict` and
+ * some table has fewer than n[i] true entries, returns -1 and changes nothing; else the entries
+ * written. new_head: m int64s of scratch. */
+int64_t idhash_take(const int64_t *list, int64_t *head, const int64_t *end, const int64_t *tabs, const int64_t *n,
+                    int64_t m, const uint8_t *used, const int64_t *last, int64_t rows, int64_t rb, int64_t wb,
+                    int64_t strict, int64_t *new_head, int64_t *out_tab, int64_t *out_row, int64_t *out_rank) {
+    const int64_t row_mask = ((int64_t)1 << rb) - 1, when_mask = ((int64_t)1 << wb) - 1;
+    int64_t out = 0;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t t = tabs[i];
+        int64_t p = head[t], got = 0;
+        for (; p < end[t] && got < n[i]; p++) {
+            const int64_t key = list[p], row = key & row_mask, flat = t * rows + row;
+            if (used[flat] && last[flat] == ((key >> rb) & when_mask)) {
+                out_tab[out] = t;
+                out_row[out] = row;
+                out_rank[out++] = got++;
+            }
+        }
+        if (strict && got < n[i])
+            return -1;
+        new_head[i] = p;  /* past the last one taken (entries skipped on the way are no longer true) */
+    }
+    for (int64_t i = 0; i < m; i++)
+        head[tabs[i]] = new_head[i];
+    return out;
+}

@@ -128,6 +128,8 @@ def library() -> ctypes.CDLL | None:
     lib.idhash_find_touch.restype = _I
     lib.idhash_release.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _I, _I]
     lib.idhash_release.restype = _I
+    lib.idhash_take.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P]
+    lib.idhash_take.restype = _I
     return lib
 
 
@@ -243,6 +245,24 @@ def release(keys: torch.Tensor, slots: torch.Tensor, state: dict[str, torch.Tens
     if done != rows.numel():
         raise KeyError("MapGroup: a freed row's id is not in its map")
     return True
+
+
+def take(lists: torch.Tensor, head: torch.Tensor, end: torch.Tensor, tabs: torch.Tensor, n: torch.Tensor,
+         used: torch.Tensor, last: torch.Tensor, row_bits: int, when_bits: int, strict: bool):
+    """``RecentVictims._take`` in C: each table tabs[i]'s first n[i] true entries of its sorted
+    list (``lists`` [Q], ``head`` / ``end`` [M]), its head moved past them -> (tables [v], rows
+    [v], ranks [v]); "ran out" (where ``strict`` and a list holds too few; nothing changed), or
+    None where the library is off."""
+    lib = library()
+    if lib is None or not _usable(lists, head, end, tabs, n, last) or not used.is_contiguous():
+        return None
+    m, rows = tabs.numel(), last.shape[1]
+    out = torch.empty((3, int(n.clamp(min=0).sum())), dtype=torch.int64)
+    scratch = torch.empty(m, dtype=torch.int64)  # named: alive until the call returns
+    got = lib.idhash_take(lists.data_ptr(), head.data_ptr(), end.data_ptr(), tabs.data_ptr(), n.data_ptr(), m,
+                          used.data_ptr(), last.data_ptr(), rows, row_bits, when_bits, int(strict), scratch.data_ptr(),
+                          out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr())
+    return "ran out" if got < 0 else (out[0, :got], out[1, :got], out[2, :got])
 
 
 def main() -> None:

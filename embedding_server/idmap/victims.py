@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from embedding_server.idmap.fast import bits, sort_distinct, where_true
+from embedding_server.idmap.native import take as native_take
 
 READ = 2
 """Entries read per victim needed in a first pass (plus SLACK); a table short of true entries then
@@ -84,6 +85,10 @@ class RecentVictims:
 
     def _take(self, tabs, n, last, used, strict: bool):
         """The victims from the lists' heads; None where ``strict`` and a list ran out."""
+        fast = native_take(self.keys, self.head, self.end, tabs.contiguous(), n.contiguous(), used, last,
+                           self.row_bits, self.when_bits, strict)
+        if fast is not None:  # in C: each list walked from its head
+            return None if isinstance(fast, str) else fast
         head, avail = self.head.index_select(0, tabs), (self.end - self.head).index_select(0, tabs)  # [m]
         read = torch.minimum(avail, n * READ + SLACK)
         while True:
