@@ -211,7 +211,7 @@ int64_t idhash_find_touch(const int64_t *keys, const int64_t *slots, const int64
  * order. Each id's bucket comes from bucket_of where that still holds it, else is probed.
  * counters: [M, ncol] (column col_free: free rows, col_evicted: evictions); table_counts [M, 2]
  * (live keys, tombstones). Returns n, or the index of the first row whose id is not in its map
- * (the state is then partly updated: the caller raises). */
+ * or that holds no id (the state is then partly updated: the caller raises). */
 int64_t idhash_release(const int64_t *keys, int64_t *slots, const int64_t *row_id, const int64_t *bucket_of,
                        uint8_t *used, int64_t *free_stack, int64_t *counters, int64_t ncol, int64_t col_free,
                        int64_t col_evicted, int64_t *table_counts, const int64_t *tables, const int64_t *rows_,
@@ -225,9 +225,11 @@ int64_t idhash_release(const int64_t *keys, int64_t *slots, const int64_t *row_i
             if (pos < 0)
                 return i;
         }
+        int64_t *c = counters + t * ncol;
+        if (!used[flat] || c[col_free] >= rows - shared)  /* not a held row: refused, never written past */
+            return i;
         slots[pos] = TOMBSTONE;
         used[flat] = 0;
-        int64_t *c = counters + t * ncol;
         free_stack[t * (rows - shared) + c[col_free]] = r;
         c[col_free] += 1;
         c[col_evicted] += 1;

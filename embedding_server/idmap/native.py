@@ -243,7 +243,7 @@ def release(keys: torch.Tensor, slots: torch.Tensor, state: dict[str, torch.Tens
                               state["counters"].shape[1], columns[0], columns[1], state["table_counts"].data_ptr(),
                               tables.data_ptr(), rows.data_ptr(), rows.numel(), r, shared, slots.numel() // count)
     if done != rows.numel():
-        raise KeyError("MapGroup: a freed row's id is not in its map")
+        raise KeyError("MapGroup: a freed row's id is not in its map (or the row holds no id)")
     return True
 
 
