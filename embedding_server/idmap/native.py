@@ -137,8 +137,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _usable(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.int64 and t.is_contiguous() for t in tensors)
+def _usable(*tensors: torch.Tensor, dtype: torch.dtype = torch.int64) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
 def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torch.Tensor | int,
@@ -194,7 +194,7 @@ def victims(last: torch.Tensor, used: torch.Tensor, uses: torch.Tensor, tabs: to
     where the library is off. The caller makes sure the keys fit in 63 bits."""
     lib = library()
     if lib is None or not _usable(last, uses, tabs, n) or (below is not None and not _usable(below)) or (
-            used.dtype != torch.bool or not used.is_contiguous()):
+            not _usable(used, dtype=torch.bool)):
         return None
     rows = last.shape[1]
     out = torch.empty((3, int(n.clamp(max=rows).sum())), dtype=torch.int64)
@@ -235,7 +235,7 @@ def release(keys: torch.Tensor, slots: torch.Tensor, state: dict[str, torch.Tens
     lib = library()
     names = ("row_id", "free", "counters", "table_counts")
     if lib is None or not _usable(keys, slots, bucket_of, tables, rows, *(state[k] for k in names)) or (
-            not state["used"].is_contiguous()):
+            not _usable(state["used"], dtype=torch.bool)):
         return False
     count, r = state["row_id"].shape
     done = lib.idhash_release(keys.data_ptr(), slots.data_ptr(), state["row_id"].data_ptr(), bucket_of.data_ptr(),
@@ -254,7 +254,7 @@ def take(lists: torch.Tensor, head: torch.Tensor, end: torch.Tensor, tabs: torch
     [v], ranks [v]); "ran out" (where ``strict`` and a list holds too few; nothing changed), or
     None where the library is off."""
     lib = library()
-    if lib is None or not _usable(lists, head, end, tabs, n, last) or not used.is_contiguous():
+    if lib is None or not _usable(lists, head, end, tabs, n, last) or not _usable(used, dtype=torch.bool):
         return None
     m, rows = tabs.numel(), last.shape[1]
     out = torch.empty((3, int(n.clamp(min=0).sum())), dtype=torch.int64)
