@@ -229,10 +229,11 @@ class MapGroup:
         top = clock - self.cfg.ttl_steps if self.cfg.evict == "ttl" else clock - 2  # movable: last <= top
         if below is None and int(n.max()) < self.rows and self.recent.fits(clock):  # lru, ttl: from the lists
             return self.recent.choose(tabs, n, self.s["last"], self.s["used"], top, clock)
-        if below is None or int(below.max()) * (clock + 2) * self.rows < 1 << 62:  # the keys fit: in C
+        fits = below is None or int(below.max()) * (clock + 2) * self.rows < 1 << 62  # packed keys fit in int64
+        lfu = (clock + 1) * self.rows if below is not None else 0  # key (uses, last, row) / (last, row)
+        if fits:  # in C where it is built
             fast = native_victims(self.s["last"], self.s["used"], self.s["uses"], tabs.contiguous(), n.contiguous(),
-                                  None if below is None else below.contiguous(), top,
-                                  (clock + 1) * self.rows if below is not None else 0)
+                                  None if below is None else below.contiguous(), top, lfu)
             if fast is not None:
                 return fast
         every = tabs.numel() == self.count  # tabs is 0..M-1: no copies
@@ -241,9 +242,8 @@ class MapGroup:
         movable = (last <= top).logical_and_(used)  # lru: this and the previous lookup's rows stay
         if below is not None:
             movable.logical_and_(uses < below[:, None])
-            if int(below.max()) * (clock + 2) * self.rows >= 1 << 62:
+            if not fits:
                 return self._victims_sorted(tabs, n, movable, last, uses)
-        lfu = (clock + 1) * self.rows if below is not None else 0  # key (uses, last, row) / (last, row)
         if int(movable.sum()) * FEW <= movable.numel():
             return self._victims_few(tabs, n, movable, last, uses, lfu)
         row = torch.arange(self.rows, dtype=torch.int64)
@@ -350,9 +350,7 @@ class MapGroup:
         bucket cache and the counts are written once at the end."""
         fast = native_place(self.keys, self.slots, keys, tables, slots, self.buckets)  # in order, in C
         if fast is not None:
-            wp, reused = fast
-            self.s["table_counts"][:, 1] -= torch.bincount(tables.masked_select(reused), minlength=self.count)
-            self.bucket_of.index_copy_(0, (tables * self.rows).add_(slots), wp)
+            self._placed(tables, slots, *fast)
             return
         mask = self.buckets - 1
         active = torch.arange(keys.numel())  # [a] keys still looking for a bucket
@@ -380,10 +378,14 @@ class MapGroup:
         if not placed:
             return
         wp, wk, reused = torch.cat(placed), torch.cat(at_key), torch.cat(reused)
-        wt = tables.index_select(0, wk)
-        self.s["table_counts"][:, 1] -= torch.bincount(wt.masked_select(reused), minlength=self.count)
         self.keys.index_copy_(0, wp, keys.index_select(0, wk))
-        self.bucket_of.index_copy_(0, (wt * self.rows).add_(slots.index_select(0, wk)), wp)
+        self._placed(tables.index_select(0, wk), slots.index_select(0, wk), wp, reused)
+
+    def _placed(self, tables: torch.Tensor, slots: torch.Tensor, buckets: torch.Tensor, reused: torch.Tensor) -> None:
+        """Keys of ``tables`` [a] with ``slots`` [a] now in ``buckets`` [a] (``reused`` [a]: the
+        bucket was a tombstone): tombstones counted off, the row -> bucket cache pointed at them."""
+        self.s["table_counts"][:, 1] -= torch.bincount(tables.masked_select(reused), minlength=self.count)
+        self.bucket_of.index_copy_(0, (tables * self.rows).add_(slots), buckets)
 
     def expire(self) -> None:
         """ttl: every ttl_steps lookups, the ids unused for ttl_steps lose their rows."""

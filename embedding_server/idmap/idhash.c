@@ -39,10 +39,12 @@ static inline int64_t find_in(const int64_t *keys, const int64_t *slots, int64_t
     return -1;
 }
 
-static inline int64_t home_of(const int64_t *ids, const int64_t *base, int64_t base0, const int64_t *mask,
-                              int64_t mask0, int64_t i) {
-    const int64_t b = base ? base[i] : base0, m = mask ? mask[i] : mask0;
-    return b + (int64_t)(mix64((uint64_t)ids[i]) & (uint64_t)m);
+/* Ask for id's home bucket in the table of buckets b..b+m (keys and slots) ahead of its probe:
+ * a probe is a cache miss, and misses overlap this way. */
+static inline void prefetch_home(const int64_t *keys, const int64_t *slots, int64_t b, int64_t m, int64_t id) {
+    const int64_t p = b + (int64_t)(mix64((uint64_t)id) & (uint64_t)m);
+    __builtin_prefetch(&slots[p]);
+    __builtin_prefetch(&keys[p]);
 }
 
 /* Bucket of each of ids[n] (-1: absent) into out_pos, and its slot (-1: absent) into out_slot
@@ -51,17 +53,12 @@ static inline int64_t home_of(const int64_t *ids, const int64_t *base, int64_t b
 void idhash_probe(const int64_t *keys, const int64_t *slots, const int64_t *ids, int64_t n,
                   const int64_t *base, int64_t base0, const int64_t *mask, int64_t mask0,
                   int64_t *out_pos, int64_t *out_slot) {
-    for (int64_t i = 0; i < n && i < AHEAD; i++) {
-        const int64_t p = home_of(ids, base, base0, mask, mask0, i);
-        __builtin_prefetch(&slots[p]);
-        __builtin_prefetch(&keys[p]);
-    }
-    for (int64_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) {
-            const int64_t p = home_of(ids, base, base0, mask, mask0, i + AHEAD);
-            __builtin_prefetch(&slots[p]);
-            __builtin_prefetch(&keys[p]);
-        }
+    for (int64_t i = -AHEAD; i < n; i++) {
+        const int64_t j = i + AHEAD;
+        if (j < n)
+            prefetch_home(keys, slots, base ? base[j] : base0, mask ? mask[j] : mask0, ids[j]);
+        if (i < 0)
+            continue;
         const int64_t pos = find_in(keys, slots, base ? base[i] : base0, mask ? mask[i] : mask0, ids[i]);
         out_pos[i] = pos;
         if (out_slot)
@@ -78,11 +75,8 @@ int64_t idhash_place(int64_t *keys, int64_t *slots, const int64_t *new_keys, con
                      uint8_t *out_reused) {
     const int64_t m = buckets - 1;
     for (int64_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) {  /* as in idhash_probe */
-            const int64_t j = i + AHEAD, p = (tables ? tables[j] * buckets : 0) + (int64_t)(mix64((uint64_t)new_keys[j]) & (uint64_t)m);
-            __builtin_prefetch(&slots[p], 1);
-            __builtin_prefetch(&keys[p], 1);
-        }
+        if (i + AHEAD < n)
+            prefetch_home(keys, slots, tables ? tables[i + AHEAD] * buckets : 0, m, new_keys[i + AHEAD]);
         const int64_t b = tables ? tables[i] * buckets : 0, key = new_keys[i];
         int64_t h = (int64_t)(mix64((uint64_t)key) & (uint64_t)m), k = 0;
         while (slots[b + h] >= 0 && k++ <= m)
@@ -177,19 +171,13 @@ int64_t idhash_find_touch(const int64_t *keys, const int64_t *slots, const int64
                           int64_t n, const int64_t *bucket_base, const int64_t *bucket_mask,
                           const int64_t *row_base, int64_t *last, int64_t *uses, int64_t clock,
                           int64_t *out_rows, int64_t *out_absent) {
-    for (int64_t i = 0; i < n && i < AHEAD; i++) {
-        const int64_t p = bucket_base[k[i]] + (int64_t)(mix64((uint64_t)ids[i]) & (uint64_t)bucket_mask[k[i]]);
-        __builtin_prefetch(&slots[p]);
-        __builtin_prefetch(&keys[p]);
-    }
     int64_t absent = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if (i + AHEAD < n) {
-            const int64_t j = i + AHEAD;
-            const int64_t p = bucket_base[k[j]] + (int64_t)(mix64((uint64_t)ids[j]) & (uint64_t)bucket_mask[k[j]]);
-            __builtin_prefetch(&slots[p]);
-            __builtin_prefetch(&keys[p]);
-        }
+    for (int64_t i = -AHEAD; i < n; i++) {
+        const int64_t j = i + AHEAD;
+        if (j < n)
+            prefetch_home(keys, slots, bucket_base[k[j]], bucket_mask[k[j]], ids[j]);
+        if (i < 0)
+            continue;
         const int64_t pos = find_in(keys, slots, bucket_base[k[i]], bucket_mask[k[i]], ids[i]);
         const int64_t slot = pos >= 0 ? slots[pos] : -1;
         out_rows[i] = slot;

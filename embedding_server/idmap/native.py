@@ -29,7 +29,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -146,11 +145,9 @@ def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torc
     """``hash_table.probe`` in C, or None where the library is off or the tensors do not suit it
     (the caller then probes in torch)."""
     lib = library()
-    if lib is None or not _usable(keys, slots) or ids.dtype != torch.int64 or ids.device.type != "cpu":
-        return None
     ids = ids.contiguous()
     tensors = [t.contiguous() if isinstance(t, torch.Tensor) else None for t in (base, mask)]
-    if any(t is not None and not _usable(t) for t in tensors):
+    if lib is None or not _usable(keys, slots, ids, *(t for t in tensors if t is not None)):
         return None
     n = ids.numel()
     pos = torch.empty(n, dtype=torch.int64)
@@ -172,11 +169,10 @@ def place(keys: torch.Tensor, slots: torch.Tensor, new_keys: torch.Tensor, table
         RuntimeError: a table had no free bucket (callers rebuild before that can happen).
     """
     lib = library()
-    if lib is None or not _usable(keys, slots) or any(
-            t is not None and (t.dtype != torch.int64 or t.device.type != "cpu") for t in (new_keys, tables, new_slots)):
-        return None
     new_keys, new_slots = new_keys.contiguous(), new_slots.contiguous()
     tables = None if tables is None else tables.contiguous()
+    if lib is None or not _usable(keys, slots, new_keys, new_slots, *([] if tables is None else [tables])):
+        return None
     n = new_keys.numel()
     pos, reused = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.bool)
     done = lib.idhash_place(keys.data_ptr(), slots.data_ptr(), new_keys.data_ptr(), _ptr(tables),
@@ -264,15 +260,3 @@ def take(lists: torch.Tensor, head: torch.Tensor, end: torch.Tensor, tabs: torch
                           out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr())
     return "ran out" if got < 0 else (out[0, :got], out[1, :got], out[2, :got])
 
-
-def main() -> None:
-    """``python -m embedding_server.idmap.native``: build the library now; print its path."""
-    try:
-        print(build())
-    except OSError as e:
-        print(f"id maps' C kernel: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-
-
-if __name__ == "__main__":
-    main()
