@@ -76,9 +76,11 @@ class Settings(BaseSettings):
     can wait that long several times in a row, so ``/healthz`` took 50-70 ms under such requests;
     at 1000 µs it answers in 20-35 ms."""
     access_log: bool = True
-    """One log line per request (method, path, route, status, ms, request id). On by default: it
-    costs about 20 µs of CPU per request as text, 33 µs as JSON, 2-3% of the 1 ms per-request
-    budget (bench/results/access_log.md); turn it off where every microsecond counts."""
+    """One log line per request (method, path, route, status, ms, request id), written in batches
+    (``dlrm_core.logs.BufferedStreamHandler``: within 0.2 s, all of them at a graceful stop). On
+    by default: in process it costs about 7 µs of CPU per request as text, 13 µs as JSON; a
+    served request about 40 / 60 µs (bench/results/access_log.md); a saturated worker answers
+    about 10% fewer requests with it. Turn it off where every microsecond counts."""
     log_format: Literal["text", "json"] = "text"
     """Log lines as text or as one JSON object per line."""
 

@@ -1,6 +1,10 @@
 """The naive serving baseline: the same app, but its service holds every table in the API
 process as ``nn.EmbeddingBag`` modules (loaded whole from the file store at start-up) and looks
-rows up with one ``embedding_bag`` per table, no store, no cache. Run by bench/serving.py."""
+rows up with one ``embedding_bag`` per table, no store, no cache. Run by bench/serving.py.
+
+Everything else is as ``dlrm serve`` runs it, logging included (the same ``log_config``: the
+access log writes its line a request here too; until 2026-12-04 this baseline ran on uvicorn's
+default logging, which dropped those lines, and so skipped a cost that ours paid)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from api.app import create_app  # noqa: E402
 from api.service import ModelService  # noqa: E402
 from api.settings import Settings  # noqa: E402
+from dlrm_core.logs import logging_config  # noqa: E402
 
 
 class NaiveService(ModelService):
@@ -53,4 +58,4 @@ if __name__ == "__main__":
     os.environ["DLRM_STORE"] = a.store
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     uvicorn.run("naive_serve:app", factory=True, port=a.port, workers=a.workers, log_level="warning",
-                access_log=False)
+                access_log=False, log_config=logging_config(json_lines=Settings().log_format == "json"))

@@ -1,0 +1,66 @@
+"""The access log's buffered handler (dlrm_core/logs.py): lines written in batches, none lost."""
+
+import io
+import logging
+import logging.config
+import time
+
+from dlrm_core.logs import BufferedStreamHandler, TextFormatter, logging_config
+
+
+def _buffered(name: str, capacity: int, interval_s: float) -> tuple[io.StringIO, BufferedStreamHandler, logging.Logger]:
+    """A logger ``name`` writing bare messages into a string through a buffered handler."""
+    stream = io.StringIO()
+    handler = BufferedStreamHandler(stream, capacity=capacity, interval_s=interval_s)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger(name)
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    return stream, handler, log
+
+
+def test_lines_wait_for_a_batch_then_come_in_order():
+    stream, handler, log = _buffered("test.logs.batch", capacity=3, interval_s=60)
+    log.info("a")
+    log.info("b")
+    assert stream.getvalue() == ""  # buffered
+    log.info("c")  # the third: the batch is full
+    assert stream.getvalue() == "a\nb\nc\n"
+    log.info("d")
+    log.warning("e")  # a warning goes out at once, with what waited before it
+    assert stream.getvalue() == "a\nb\nc\nd\ne\n"
+    log.info("f")
+    handler.close()  # logging.shutdown closes every handler at exit: nothing is lost
+    assert stream.getvalue().endswith("e\nf\n")
+
+
+def test_a_lone_line_is_written_within_the_interval():
+    stream, handler, log = _buffered("test.logs.interval", capacity=1000, interval_s=0.05)
+    log.info("alone")
+    deadline = time.monotonic() + 5
+    while stream.getvalue() == "" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stream.getvalue() == "alone\n"  # by the writer thread, no further line needed
+    handler.close()
+
+
+def test_served_config_sends_the_access_log_through_the_buffered_handler():
+    config = logging_config()
+    logging.config.dictConfig(config)
+    try:
+        access = logging.getLogger("api.access")
+        assert [type(h) for h in access.handlers] == [BufferedStreamHandler]
+        assert not access.propagate
+        assert isinstance(access.handlers[0].formatter, TextFormatter)
+    finally:
+        logging.config.dictConfig(logging_config())
+
+
+def test_text_stamps_follow_the_clock():
+    fmt = TextFormatter()
+    first = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    later = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    later.created = first.created + 3600
+    assert fmt.formatTime(first, "%H:%M:%S") == time.strftime("%H:%M:%S", time.localtime(first.created))
+    assert fmt.formatTime(later, "%H:%M:%S") == time.strftime("%H:%M:%S", time.localtime(later.created))
