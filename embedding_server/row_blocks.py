@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from embedding_server.idmap.native import copy_rows, fill_rows, gather_rows, scatter_rows
+
 
 def _one_buffer(views: list[torch.Tensor]) -> bool:
     """Whether every view is a contiguous, row-aligned block of the first view's storage."""
@@ -48,8 +50,10 @@ class RowBlocks:
 
     def read(self, pieces: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` [k] of pieces ``pieces`` [k] -> a copy [k, *row]."""
-        if self.flat is not None:
-            return self.flat.index_select(0, self.base[pieces] + rows)  # far cheaper than flat[index]
+        if self.flat is not None:  # in C where it is built (native.py), else index_select (far cheaper than flat[index])
+            at = self.base[pieces] + rows
+            fast = gather_rows(self.flat, at)
+            return fast if fast is not None else self.flat.index_select(0, at)
         out = torch.empty((rows.numel(), *self.views[0].shape[1:]), dtype=self.views[0].dtype)
         for p in torch.unique(pieces).tolist():
             at = torch.nonzero(pieces == p).squeeze(1)
@@ -61,10 +65,20 @@ class RowBlocks:
         if self.flat is not None:  # the rows (pieces, rows) are distinct
             at = self.base[pieces] + rows
             if isinstance(values, torch.Tensor):
-                self.flat.index_copy_(0, at, values.to(self.flat.dtype))
-            else:
+                values = values.to(self.flat.dtype)
+                if not scatter_rows(self.flat, at, values):  # in C where it is built
+                    self.flat.index_copy_(0, at, values)
+            elif not fill_rows(self.flat, at, values):
                 self.flat.index_fill_(0, at, values)
             return
         for p in torch.unique(pieces).tolist():
             at = torch.nonzero(pieces == p).squeeze(1)
             self.views[p][rows[at]] = values if not isinstance(values, torch.Tensor) else values[at]
+
+    def copy(self, pieces: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows ``dst`` [k] of pieces ``pieces`` [k] = rows ``src`` [k] of the same pieces (``dst``
+        distinct and none of them among ``src``): :meth:`write` of :meth:`read`, without the copy
+        between where the views share a buffer (in C where it is built)."""
+        if self.flat is not None and copy_rows(self.flat, self.base[pieces] + src, self.base[pieces] + dst):
+            return
+        self.write(pieces, dst, self.read(pieces, src))

@@ -110,7 +110,8 @@ class EmbeddingShard(nn.Module):
         live updates mark)."""
         # Dynamic tables: raw ids -> rows before the kernels (admission, eviction, row resets).
         self._blocks: tuple[RowBlocks, dict[str, RowBlocks]] | None = None
-        self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, self._read_rows, seed, init_scale)
+        self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, self._read_rows, seed, init_scale,
+                                   self._copy_rows)
 
     @property
     def output_dim(self) -> int:
@@ -146,9 +147,22 @@ class EmbeddingShard(nn.Module):
         """Rows [k] of pieces [k] given to new ids: weights ``fresh`` [k, D], optimizer state as new."""
         weights, states = self._row_blocks()
         weights.write(pieces, rows, fresh)
+        self._new_state(pieces, rows, states)
+
+    def _new_state(self, pieces: torch.Tensor, rows: torch.Tensor, states: dict[str, RowBlocks]) -> None:
+        """Optimizer state of rows [k] of pieces [k] as at the start (Adagrad's accumulator at its
+        initial value, every other state zero)."""
         start = self.optimizer_config.initial_accumulator
         for name, blocks in states.items():
             blocks.write(pieces, rows, start if name == "momentum1" else 0.0)
+
+    @torch.no_grad()
+    def _copy_rows(self, pieces: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows dst [k] of pieces [k] given to new ids as copies of rows src [k] of the same
+        pieces (their shared rows: ``start_from_shared``), optimizer state as new."""
+        weights, states = self._row_blocks()
+        weights.copy(pieces, src, dst)
+        self._new_state(pieces, dst, states)
 
     def _table_rank(self, feature: int) -> int:
         """Order of a feature's table among the tables, by first use."""

@@ -188,3 +188,78 @@ def test_freeing_rows_with_a_stale_bucket_cache(kernel):
     b.bucket_of.fill_(-1)
     with pytest.raises(KeyError, match="freed row"):
         b._release(used[:4, 0].contiguous(), used[:4, 1].contiguous())
+
+
+
+def test_a_rebuild_keeps_every_id_and_points_the_bucket_cache_at_it(kernel, monkeypatch):
+    """C's rebuild of a churned group (tombstones piled up) is the torch rebuild's with C's
+    inserts: the same buckets, no tombstone left in the tables rebuilt, the live counts kept, and
+    the row -> bucket cache pointing at each row's new bucket."""
+    from embedding_server.idmap import batched
+
+    from .test_idmap_batched import churned_group
+
+    kernel("native")
+    rebuilt = {}
+    for way in ("torch", "native"):
+        group = churned_group("lru", 1)
+        assert int((group.slots == TOMBSTONE).sum()) > 0
+        with monkeypatch.context() as m:
+            if way == "torch":  # the torch body, its inserts in C (one key at a time, as C's rebuild)
+                m.setattr(batched, "native_rebuild", lambda *a: False)
+            group._rebuild(torch.tensor([0, 2]))
+        rebuilt[way] = group
+    a, b = rebuilt["torch"], rebuilt["native"]
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.slots, b.slots)
+    assert torch.equal(a.s["table_counts"], b.s["table_counts"])
+    for t in (0, 2):
+        assert int((b.slots[t * b.buckets : (t + 1) * b.buckets] == TOMBSTONE).sum()) == 0
+    used = torch.nonzero(b.s["used"])
+    at = b.bucket_of[used[:, 0] * b.rows + used[:, 1]]
+    mine = (used[:, 0] == 0) | (used[:, 0] == 2)  # the rebuilt tables' rows: the cache is right for each
+    assert torch.equal(b.keys[at[mine]], b.s["row_id"][used[mine, 0], used[mine, 1]])
+    assert torch.equal(b.slots[at[mine]], used[mine, 1])
+    assert torch.equal(a.bucket_of[(used[:, 0] * b.rows + used[:, 1])[mine]], at[mine])
+
+
+def test_row_blocks_in_c_read_write_copy_and_fill_as_torch(kernel):
+    from embedding_server.row_blocks import RowBlocks
+
+    out = {}
+    for mode in ("torch", "native"):
+        kernel(mode)
+        buf = torch.randn(60, 5, generator=torch.Generator().manual_seed(1))
+        blocks = RowBlocks([buf[:20], buf[20:60]])  # pieces of 20 and 40 rows in one buffer
+        pieces = torch.tensor([1, 0, 1, 1])
+        got = [blocks.read(pieces, torch.tensor([39, 3, 0, 7]))]
+        blocks.write(pieces, torch.tensor([5, 6, 7, 8]), torch.arange(20.0).view(4, 5))
+        blocks.write(torch.tensor([0, 1]), torch.tensor([1, 2]), 0.5)
+        blocks.copy(pieces, torch.tensor([0, 1, 2, 3]), torch.tensor([30, 10, 31, 32]))
+        out[mode] = (got, buf.clone())
+        with pytest.raises(IndexError):
+            blocks.read(torch.tensor([1]), torch.tensor([40]))  # past the buffer's last row
+    assert torch.equal(out["torch"][0][0], out["native"][0][0]) and torch.equal(out["torch"][1], out["native"][1])
+
+
+def test_a_dynamic_shard_trains_the_same_rows_with_either_kernel(kernel):
+    """Fresh rows copied from shared rows (C: one copy per row), reset optimizer state, the fused
+    update on the remapped rows: the same weights and state after a churning stream."""
+    from dlrm_core.schema import DynamicIds, TableSpec
+    from embedding_server.local_table import LocalTable
+    from embedding_server.optimizers import SparseOptimizerConfig
+    from embedding_server.shard import EmbeddingShard
+
+    states = {}
+    for mode in ("torch", "native"):
+        kernel(mode)
+        tables = [LocalTable(TableSpec(name=f"t{i}", rows=64, dim=8, dynamic=DynamicIds(evict="lru", shared_rows=0.25)), i)
+                  for i in range(3)]
+        shard = EmbeddingShard(tables, SparseOptimizerConfig(lr=0.3), init_scale=0.1)
+        for ids in stream(25, 256, 3, seed=11):
+            shard(SparseFeatures.one_hot(ids)).square().sum().backward()
+        states[mode] = (shard.export_state(), shard.id_stats())
+    (a, sa), (b, sb) = states["torch"], states["native"]
+    assert sa == sb and sum(s["evicted"] for s in sa.values()) > 100  # the stream churned
+    for key in a:
+        if ".idmap.table." not in key:  # buckets aside: C places keys one by one
+            assert torch.equal(a[key], b[key]), key

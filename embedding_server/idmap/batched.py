@@ -30,6 +30,7 @@ from embedding_server.idmap.dynamic import (
 from embedding_server.idmap.fast import bits, sort_distinct, where_true
 from embedding_server.idmap.hash_table import EMPTY, TOMBSTONE, mix64, probe
 from embedding_server.idmap.native import place as native_place
+from embedding_server.idmap.native import rebuild as native_rebuild
 from embedding_server.idmap.native import release as native_release
 from embedding_server.idmap.native import victims as native_victims
 from embedding_server.idmap.sketch import RESET_FACTOR, sketch_cells_of
@@ -329,7 +330,9 @@ class MapGroup:
 
     def _rebuild(self, tabs: torch.Tensor) -> None:
         """Rebuild the hash tables of ``tabs`` [m] from their live keys, re-placed in bucket order
-        (as IdHashTable._rebuild does, every table at once)."""
+        (as IdHashTable._rebuild does, every table at once; in C where it is built)."""
+        if native_rebuild(self.keys, self.slots, tabs, self.buckets, self.rows, self.bucket_of, self.s["table_counts"]):
+            return
         h = self.buckets
         mine = torch.zeros(self.count, dtype=torch.bool).index_fill_(0, tabs, True)
         live = where_true((self.slots >= 0) & mine.repeat_interleave(h))  # [l] by table, bucket

@@ -1,6 +1,7 @@
-/* The id maps' hot loops in C: hash-table probes and inserts (hash_table.py holds the layout and
+/* The id maps' hot loops in C: hash-table probes, inserts and rebuilds (hash_table.py holds the layout and
  * the torch version), a training lookup's probe-and-touch and the freeing of rows (remap.py,
- * batched.py), the choice of victims by key (batched.py). native.py builds and loads this file;
+ * batched.py), the choice of victims by key (batched.py), and the gathers, scatters and fills of
+ * the rows handed to new ids (row_blocks.py). native.py builds and loads this file;
  * each function makes exactly the decisions of the torch code it replaces.
  *
  * Buckets: keys[H] (raw ids) and slots[H] (>= 0: the key's slot; -1 empty; -2 a tombstone).
@@ -10,6 +11,7 @@
  * a dozen full-batch tensor passes. No allocation, no global state; ctypes releases the GIL.
  */
 #include <stdint.h>
+#include <string.h>
 
 #define EMPTY (-1)
 #define TOMBSTONE (-2)
@@ -91,6 +93,40 @@ int64_t idhash_place(int64_t *keys, int64_t *slots, const int64_t *new_keys, con
     return n;
 }
 
+/* MapGroup._rebuild: each table tabs[i] of a group (`buckets` buckets each, `rows` rows each)
+ * rebuilt from its live keys, re-placed in bucket order into the emptied table (tombstones gone);
+ * bucket_of[t * rows + slot] points at each key's new bucket; table_counts[t] = (live, 0).
+ * scratch_keys / scratch_slots: `buckets` int64s each. Returns the keys re-placed. */
+int64_t idhash_rebuild(int64_t *keys, int64_t *slots, const int64_t *tabs, int64_t m, int64_t buckets, int64_t rows,
+                       int64_t *bucket_of, int64_t *table_counts, int64_t *scratch_keys, int64_t *scratch_slots) {
+    const int64_t mask = buckets - 1;
+    int64_t total = 0;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t t = tabs[i], b = t * buckets;
+        int64_t live = 0;
+        for (int64_t h = 0; h < buckets; h++) {
+            if (slots[b + h] >= 0) {
+                scratch_keys[live] = keys[b + h];
+                scratch_slots[live++] = slots[b + h];
+            }
+            keys[b + h] = 0;
+            slots[b + h] = EMPTY;
+        }
+        for (int64_t j = 0; j < live; j++) {  /* idhash_place's rule: the first empty bucket from home */
+            int64_t h = (int64_t)(mix64((uint64_t)scratch_keys[j]) & (uint64_t)mask);
+            while (slots[b + h] != EMPTY)
+                h = (h + 1) & mask;
+            keys[b + h] = scratch_keys[j];
+            slots[b + h] = scratch_slots[j];
+            bucket_of[t * rows + scratch_slots[j]] = b + h;
+        }
+        table_counts[2 * t] = live;
+        table_counts[2 * t + 1] = 0;
+        total += live;
+    }
+    return total;
+}
+
 /* -- victims: the lowest keys of each table's movable rows ------------------------------------- */
 
 static void sort_keys(int64_t *a, int64_t n) {  /* insertion sort below 32, else quicksort */
@@ -130,6 +166,11 @@ static void select_lowest(int64_t *a, int64_t n, int64_t k) {
     if (hi > lo) sort_keys(a + lo, hi - lo + 1);  /* small or stubborn: sorted outright */
 }
 
+/* For each i < m: of table tabs[i]'s rows (last, used, uses: [*, rows] row-major), those movable
+ * (used, last <= top, and uses < below[i] where below is not NULL), by key uses * lfu + last *
+ * rows + row ascending (lfu: 0 for least recent first), the first n[i]: their table, row and rank
+ * into out_tab / out_row / out_rank. scratch: `rows` int64s. Returns the rows written (at most
+ * the sum of n[i]). Keys must not overflow (the caller checks). */
 /* For each i < m: of table tabs[i]'s rows (last, used, uses: [*, rows] row-major), those movable
  * (used, last <= top, and uses < below[i] where below is not NULL), by key uses * lfu + last *
  * rows + row ascending (lfu: 0 for least recent first), the first n[i]: their table, row and rank
@@ -258,4 +299,82 @@ int64_t idhash_take(const int64_t *list, int64_t *head, const int64_t *end, cons
     for (int64_t i = 0; i < m; i++)
         head[tabs[i]] = new_head[i];
     return out;
+}
+
+/* -- rows of a kernel's buffer by index (row_blocks.py: the fresh rows of new ids) -------------- */
+
+#define ROWS_AHEAD 8 /* rows prefetched ahead of the one copied: rows are cache misses, scattered */
+
+/* Where every idx[i] is in [0, n_rows): n, else the index of the first that is not. */
+static int64_t rows_check(int64_t n_rows, const int64_t *idx, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (idx[i] < 0 || idx[i] >= n_rows)
+            return i;
+    return n;
+}
+
+static inline void prefetch_row(const uint8_t *row, int64_t row_bytes, int write) {
+    for (int64_t b = 0; b < row_bytes && b < 256; b += 64)
+        write ? __builtin_prefetch(row + b, 1) : __builtin_prefetch(row + b, 0);
+}
+
+/* Row to_idx[i] of `to` = row from_idx[i] of `from`, for i < n in order (a NULL index: row i of
+ * a dense array of n rows); the next rows of both sides prefetched. */
+static void rows_move(uint8_t *to, const int64_t *to_idx, const uint8_t *from, const int64_t *from_idx, int64_t n,
+                      int64_t row_bytes) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t j = i + ROWS_AHEAD;
+        if (j < n) {
+            if (from_idx)
+                prefetch_row(from + from_idx[j] * row_bytes, row_bytes, 0);
+            if (to_idx)
+                prefetch_row(to + to_idx[j] * row_bytes, row_bytes, 1);
+        }
+        memcpy(to + (to_idx ? to_idx[i] : i) * row_bytes, from + (from_idx ? from_idx[i] : i) * row_bytes,
+               (size_t)row_bytes);
+    }
+}
+
+/* out[i] = row idx[i] of buf (n_rows rows of row_bytes bytes), in order (index_select). Returns
+ * n, or the index of the first row out of range (nothing copied then). */
+int64_t rows_gather(const uint8_t *buf, int64_t n_rows, int64_t row_bytes, const int64_t *idx, int64_t n,
+                    uint8_t *out) {
+    const int64_t bad = rows_check(n_rows, idx, n);
+    if (bad == n)
+        rows_move(out, NULL, buf, idx, n, row_bytes);
+    return bad;
+}
+
+/* Row idx[i] of buf = src[i], in order (index_copy_; idx distinct). Returns as rows_gather. */
+int64_t rows_scatter(uint8_t *buf, int64_t n_rows, int64_t row_bytes, const int64_t *idx, int64_t n,
+                     const uint8_t *src) {
+    const int64_t bad = rows_check(n_rows, idx, n);
+    if (bad == n)
+        rows_move(buf, idx, src, NULL, n, row_bytes);
+    return bad;
+}
+
+/* Row dst[i] of buf = row src[i] of buf, in order (dst distinct, no dst among the src): a
+ * gather and a scatter without the copy between them. Returns n, or the index of the first pair
+ * with a row out of range (nothing copied then). */
+int64_t rows_copy(uint8_t *buf, int64_t n_rows, int64_t row_bytes, const int64_t *src, const int64_t *dst, int64_t n) {
+    const int64_t bad_src = rows_check(n_rows, src, n), bad_dst = rows_check(n_rows, dst, n);
+    const int64_t bad = bad_src < bad_dst ? bad_src : bad_dst;
+    if (bad == n)
+        rows_move(buf, dst, buf, src, n, row_bytes);
+    return bad;
+}
+
+/* Every float of row idx[i] of buf (n_rows rows of width floats) = value (index_fill_). Returns
+ * as rows_gather. */
+int64_t rows_fill_f32(float *buf, int64_t n_rows, int64_t width, const int64_t *idx, int64_t n, float value) {
+    const int64_t bad = rows_check(n_rows, idx, n);
+    if (bad != n)
+        return bad;
+    for (int64_t i = 0; i < n; i++) {
+        float *row = buf + idx[i] * width;
+        for (int64_t j = 0; j < width; j++)
+            row[j] = value;
+    }
+    return n;
 }

@@ -43,6 +43,9 @@ RowReset = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 """reset(pieces [k], rows [k], fresh weights [k, D]): row rows[i] of the shard's piece pieces[i]."""
 RowRead = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """read(pieces [k], rows [k]) -> the current weights of those rows, float [k, D] (a copy)."""
+RowCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""copy(pieces [k], src [k], dst [k]): row dst[i] of piece pieces[i] reset as a copy of its row
+src[i] (weights; optimizer state as new): ``reset`` of ``read`` in one pass."""
 
 
 def init_for_ids(ids: torch.Tensor, local: LocalTable, seed: int, init_scale: float | None) -> torch.Tensor:
@@ -107,10 +110,13 @@ class ShardIdMaps:
         reset: writes fresh weights and optimizer state into rows of a piece.
         read: reads rows of a piece (the shared rows that admitted ids start from).
         seed, init_scale: as the shard's initialisation.
+        copy: resets rows as copies of other rows of their pieces, without the copy between
+            (``start_from_shared``); None: ``reset`` of ``read``.
     """
 
     def __init__(self, tables: list[LocalTable], feature_map: list[int], reset: RowReset, read: RowRead,
-                 seed: int = 0, init_scale: float | None = None) -> None:
+                 seed: int = 0, init_scale: float | None = None, copy: RowCopy | None = None) -> None:
+        self.copy = copy
         self.tables = tables
         mine = [t for t, local in enumerate(tables) if local.table.dynamic is not None]
         self.spans = {t: piece_span(tables[t]) for t in mine}  # (S_p, S, first shared index) of each
@@ -195,7 +201,11 @@ class ShardIdMaps:
             offset = torch.tensor([self.spans[t][2] for t in members], dtype=torch.int64)  # [M]
 
             def fresh(g, rows, ids):
-                reset(pieces[g], rows, read(pieces[g], shared_rows_of(ids, total.index_select(0, g), offset.index_select(0, g))))
+                src = shared_rows_of(ids, total.index_select(0, g), offset.index_select(0, g))
+                if self.copy is not None:
+                    self.copy(pieces[g], src, rows)
+                else:
+                    reset(pieces[g], rows, read(pieces[g], src))
         else:
             index = torch.tensor([self.tables[t].index for t in members], dtype=torch.int64)  # [M]
             col_start = torch.tensor([self.tables[t].col_start for t in members], dtype=torch.int64)  # [M]
