@@ -354,7 +354,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench" / "serving")
     p.add_argument("--out", type=Path, default=HERE / "results")
-    p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], default=[100, 200, 400, 600, 800, 1000, 1200, 1500, 2000, 2500, 3000, 4000, 5000],
+    p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], default=[200, 400, 600, 800, 1000, 1200, 1500, 1750, 2000, 2250, 2500, 2750, 3000, 3500, 4000, 5000],
                    help="request rates of the capacity sweep, rising")
     p.add_argument("--sweep-seconds", type=float, default=3.0, help="length of each sweep pass")
     p.add_argument("--p99-ms", type=float, default=15.0, help="a rate is held when p99 is at most this")
