@@ -155,7 +155,7 @@ class RequestContext:
             # file and line, which no access line prints (a line a request: every µs counts).
             access.handle(access.makeRecord(
                 access.name, logging.INFO, __file__, 0, "%s %s %d %.2fms",
-                (scope.get("method"), path, status, seconds * 1e3), None,
+                (scope.get("method"), path, status, seconds * 1e3), None, func="_observe",
                 extra={"fields": {"method": scope.get("method"), "route": route, "path": path,
                                   "status": status, "ms": round(seconds * 1e3, 3)}}))
 

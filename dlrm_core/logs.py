@@ -35,13 +35,13 @@ class TextFormatter(logging.Formatter):
 
     def __init__(self, prefix: str = "") -> None:
         super().__init__(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s", datefmt="%H:%M:%S")
-        self._stamp = (-1, "")  # (second, its text): one strftime a second, not one a line
+        self._stamp = (-1, None, "")  # (second, datefmt, its text): one strftime a second, not one a line
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 - logging's name
-        second, text = self._stamp
-        if int(record.created) != second:  # (one tuple: threads formatting at once never mix two)
+        second, fmt, text = self._stamp
+        if int(record.created) != second or datefmt != fmt:  # (one tuple: threads at once never mix two)
             text = super().formatTime(record, datefmt)
-            self._stamp = (int(record.created), text)
+            self._stamp = (int(record.created), datefmt, text)
         return text
 
     def format(self, record: logging.LogRecord) -> str:
@@ -56,8 +56,8 @@ class TextFormatter(logging.Formatter):
 class JsonFormatter(logging.Formatter):
     """One JSON object per line."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._stamp = (-1, "")  # (second, its text), as TextFormatter's
 
     def _second(self, created: float) -> str:
@@ -89,6 +89,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class NotAccess(logging.Filter):
+    """Drops the access log's lines (``api.access``): they have their own handler, and still
+    propagate to ``api`` and the root logger for handlers added there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != "api.access"
+
+
 class BufferedStreamHandler(logging.StreamHandler):
     """A stream handler that writes its lines in batches: at most ``capacity`` lines or
     ``interval_s`` seconds after the first of them (a daemon thread writes what waits at
@@ -110,9 +118,11 @@ class BufferedStreamHandler(logging.StreamHandler):
         self._due = 0.0  # monotonic time by which the buffered lines are written
         self._wake = threading.Event()
         self._writer: threading.Thread | None = None
-        self._pid = 0
+        self._pid = os.getpid()
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self._pid != os.getpid():  # a forked child: the parent writes what it had buffered
+            self._pid, self._lines, self._writer = os.getpid(), [], None
         try:
             line = self.format(record) + self.terminator
         except Exception:  # noqa: BLE001 - logging's own rule: a bad record never raises
@@ -133,8 +143,10 @@ class BufferedStreamHandler(logging.StreamHandler):
             try:
                 self.stream.write(text)
                 self.stream.flush()
-            except Exception:  # noqa: BLE001 - a closed or full stream: the lines are dropped, as logging does
+            except ValueError:  # a closed stream (at exit: logging.shutdown ignores it too): dropped
                 pass
+            except Exception:  # noqa: BLE001 - a full or broken stream: reported as logging does, the lines dropped
+                self.handleError(None)
 
     def flush(self) -> None:
         self.acquire()
@@ -144,8 +156,7 @@ class BufferedStreamHandler(logging.StreamHandler):
             self.release()
 
     def _start_writer(self) -> None:
-        if self._writer is None or self._pid != os.getpid():  # one per process (after a fork, anew)
-            self._pid = os.getpid()
+        if self._writer is None:  # one per process (after a fork, anew: emit)
             self._writer = threading.Thread(target=self._write_loop, name="log-writer", daemon=True)
             self._writer.start()
 
@@ -170,17 +181,17 @@ def logging_config(verbose: bool = False, quiet: bool = False, json_lines: bool 
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"request_id": {"()": RequestIdFilter}},
         "formatters": {"dlrm": formatter},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "dlrm", "filters": ["request_id"],
-                                "stream": "ext://sys.stderr"},
+        "filters": {"request_id": {"()": RequestIdFilter}, "not_access": {"()": NotAccess}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "dlrm",
+                                "filters": ["not_access", "request_id"], "stream": "ext://sys.stderr"},
                      # the access log (a line a request) in batches: BufferedStreamHandler
                      "access": {"()": BufferedStreamHandler, "formatter": "dlrm", "filters": ["request_id"],
                                 "stream": "ext://sys.stderr"}},
         "root": {"level": "DEBUG" if verbose else "WARNING", "handlers": ["stderr"]},
         "loggers": {
             **{name: {"level": level} for name in OUR_LOGGERS},
-            "api.access": {"level": level, "handlers": ["access"], "propagate": False},
+            "api.access": {"level": level, "handlers": ["access"]},  # (the root's stderr handler drops them)
             # uvicorn's own loggers go through the same handler (no handlers of their own).
             **{name: {"level": "INFO", "handlers": [], "propagate": True}
                for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},

@@ -205,9 +205,13 @@ def test_a_rebuild_keeps_every_id_and_points_the_bucket_cache_at_it(kernel, monk
         group = churned_group("lru", 1)
         assert int((group.slots == TOMBSTONE).sum()) > 0
         with monkeypatch.context() as m:
+            calls = []
             if way == "torch":  # the torch body, its inserts in C (one key at a time, as C's rebuild)
                 m.setattr(batched, "native_rebuild", lambda *a: False)
+            else:
+                m.setattr(batched, "native_rebuild", lambda *a, calls=calls: calls.append(native.rebuild(*a)) or calls[-1])
             group._rebuild(torch.tensor([0, 2]))
+            assert calls == ([True] if way == "native" else [])
         rebuilt[way] = group
     a, b = rebuilt["torch"], rebuilt["native"]
     assert torch.equal(a.keys, b.keys) and torch.equal(a.slots, b.slots)
@@ -236,15 +240,19 @@ def test_row_blocks_in_c_read_write_copy_and_fill_as_torch(kernel):
         blocks.write(torch.tensor([0, 1]), torch.tensor([1, 2]), 0.5)
         blocks.copy(pieces, torch.tensor([0, 1, 2, 3]), torch.tensor([30, 10, 31, 32]))
         out[mode] = (got, buf.clone())
+        assert (native.gather_rows(blocks.flat, torch.tensor([0])) is not None) == (mode == "native")
         with pytest.raises(IndexError):
             blocks.read(torch.tensor([1]), torch.tensor([40]))  # past the buffer's last row
     assert torch.equal(out["torch"][0][0], out["native"][0][0]) and torch.equal(out["torch"][1], out["native"][1])
 
 
-def test_a_dynamic_shard_trains_the_same_rows_with_either_kernel(kernel):
-    """Fresh rows copied from shared rows (C: one copy per row), reset optimizer state, the fused
-    update on the remapped rows: the same weights and state after a churning stream."""
+@pytest.mark.parametrize("start_from_shared", [True, False])
+def test_a_dynamic_shard_trains_the_same_rows_with_either_kernel(kernel, monkeypatch, start_from_shared):
+    """Fresh rows copied from shared rows (C: one copy per row) or drawn from the id, reset
+    optimizer state, the fused update on the remapped rows: the same weights and state after a
+    churning stream."""
     from dlrm_core.schema import DynamicIds, TableSpec
+    from embedding_server import row_blocks
     from embedding_server.local_table import LocalTable
     from embedding_server.optimizers import SparseOptimizerConfig
     from embedding_server.shard import EmbeddingShard
@@ -252,12 +260,25 @@ def test_a_dynamic_shard_trains_the_same_rows_with_either_kernel(kernel):
     states = {}
     for mode in ("torch", "native"):
         kernel(mode)
-        tables = [LocalTable(TableSpec(name=f"t{i}", rows=64, dim=8, dynamic=DynamicIds(evict="lru", shared_rows=0.25)), i)
-                  for i in range(3)]
+        ran: list[tuple[str, bool]] = []
+
+        def counted(name, real, ran=ran):  # row_blocks' C call ``name``, noting whether it did the work
+            def call(*args):
+                ran.append((name, real(*args)))
+                return ran[-1][1]
+            return call
+
+        for name in ("copy_rows", "scatter_rows", "fill_rows"):
+            monkeypatch.setattr(row_blocks, name, counted(name, getattr(native, name)))
+        dynamic = DynamicIds(evict="lru", shared_rows=0.25, start_from_shared=start_from_shared)
+        tables = [LocalTable(TableSpec(name=f"t{i}", rows=64, dim=8, dynamic=dynamic), i) for i in range(3)]
         shard = EmbeddingShard(tables, SparseOptimizerConfig(lr=0.3), init_scale=0.1)
         for ids in stream(25, 256, 3, seed=11):
             shard(SparseFeatures.one_hot(ids)).square().sum().backward()
         states[mode] = (shard.export_state(), shard.id_stats())
+        done = {name for name, ok in ran if ok}
+        want = {"copy_rows" if start_from_shared else "scatter_rows", "fill_rows"}
+        assert done == (want if mode == "native" else set()), (mode, done)
     (a, sa), (b, sb) = states["torch"], states["native"]
     assert sa == sb and sum(s["evicted"] for s in sa.values()) > 100  # the stream churned
     for key in a:

@@ -1,11 +1,11 @@
 """The access log's buffered handler (dlrm_core/logs.py): lines written in batches, none lost."""
 
 import io
+import json
 import logging
-import logging.config
 import time
 
-from dlrm_core.logs import BufferedStreamHandler, TextFormatter, logging_config
+from dlrm_core.logs import BufferedStreamHandler, JsonFormatter, TextFormatter, logging_config
 
 
 def _buffered(name: str, capacity: int, interval_s: float) -> tuple[io.StringIO, BufferedStreamHandler, logging.Logger]:
@@ -46,21 +46,28 @@ def test_a_lone_line_is_written_within_the_interval():
 
 
 def test_served_config_sends_the_access_log_through_the_buffered_handler():
+    """The access log has its own (buffered) handler; its lines still propagate (handlers added
+    to ``api`` or the root see them) and the root's stderr handler drops them (no line twice)."""
     config = logging_config()
-    logging.config.dictConfig(config)
-    try:
-        access = logging.getLogger("api.access")
-        assert [type(h) for h in access.handlers] == [BufferedStreamHandler]
-        assert not access.propagate
-        assert isinstance(access.handlers[0].formatter, TextFormatter)
-    finally:
-        logging.config.dictConfig(logging_config())
+    assert config["handlers"]["access"]["()"] is BufferedStreamHandler
+    access = config["loggers"]["api.access"]
+    assert access["handlers"] == ["access"] and access.get("propagate", True)
+    assert "not_access" in config["handlers"]["stderr"]["filters"]
+    drop = config["filters"]["not_access"]["()"]()
+    record = lambda name: logging.LogRecord(name, logging.INFO, __file__, 1, "m", None, None)  # noqa: E731
+    assert not drop.filter(record("api.access")) and drop.filter(record("api.service"))
 
 
-def test_text_stamps_follow_the_clock():
+def test_time_stamps_follow_the_clock_and_the_format():
+    """One strftime a second, cached: a later second and another date format each get their own."""
     fmt = TextFormatter()
     first = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    same = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    same.created = int(first.created) + 0.999
     later = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
     later.created = first.created + 3600
-    assert fmt.formatTime(first, "%H:%M:%S") == time.strftime("%H:%M:%S", time.localtime(first.created))
-    assert fmt.formatTime(later, "%H:%M:%S") == time.strftime("%H:%M:%S", time.localtime(later.created))
+    for record in (first, same, later):
+        for datefmt in ("%H:%M:%S", "%Y-%m-%d %H:%M:%S"):
+            assert fmt.formatTime(record, datefmt) == time.strftime(datefmt, time.localtime(record.created))
+    line = json.loads(JsonFormatter().format(later))
+    assert line["time"].startswith(time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(later.created)))

@@ -171,11 +171,6 @@ static void select_lowest(int64_t *a, int64_t n, int64_t k) {
  * rows + row ascending (lfu: 0 for least recent first), the first n[i]: their table, row and rank
  * into out_tab / out_row / out_rank. scratch: `rows` int64s. Returns the rows written (at most
  * the sum of n[i]). Keys must not overflow (the caller checks). */
-/* For each i < m: of table tabs[i]'s rows (last, used, uses: [*, rows] row-major), those movable
- * (used, last <= top, and uses < below[i] where below is not NULL), by key uses * lfu + last *
- * rows + row ascending (lfu: 0 for least recent first), the first n[i]: their table, row and rank
- * into out_tab / out_row / out_rank. scratch: `rows` int64s. Returns the rows written (at most
- * the sum of n[i]). Keys must not overflow (the caller checks). */
 int64_t idhash_victims(const int64_t *last, const uint8_t *used, const int64_t *uses, const int64_t *tabs,
                        const int64_t *n, const int64_t *below, int64_t m, int64_t rows, int64_t top, int64_t lfu,
                        int64_t *scratch, int64_t *out_tab, int64_t *out_row, int64_t *out_rank) {
