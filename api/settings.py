@@ -78,8 +78,8 @@ class Settings(BaseSettings):
     access_log: bool = True
     """One log line per request (method, path, route, status, ms, request id), written in batches
     (``dlrm_core.logs.BufferedStreamHandler``: within 0.2 s, all of them at a graceful stop). On
-    by default: in process it costs about 7 µs of CPU per request as text, 13 µs as JSON; a
-    served request about 40 / 60 µs (bench/results/access_log.md); a saturated worker answers
+    by default: in process it costs about 8 µs of CPU per request as text, 13 µs as JSON; a
+    served request about 40-50 / 60-75 µs (bench/results/access_log.md); a saturated worker answers
     about 10% fewer requests with it. Turn it off where every microsecond counts."""
     log_format: Literal["text", "json"] = "text"
     """Log lines as text or as one JSON object per line."""
