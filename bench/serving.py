@@ -435,7 +435,7 @@ def render(r: dict) -> str:
     lines = [
         f"Serving on loopback, load generator on the same {c['cpus']} cores ({c['date']}; medians of "
         f"{c['rounds']} interleaved rounds; one uvicorn worker). CPU: server CPU time over {c['cpu_seconds']:.0f} s of "
-        f"sequential single-instance requests (one connection, the C load generator), median and range over the rounds. Capacity: highest of {c['rates']} requests/s held with p99 <= "
+        f"sequential single-instance requests (one connection, the C load generator), median and range over the rounds. Capacity: highest of {[int(r) if float(r).is_integer() else r for r in c['rates']]} requests/s held with p99 <= "
         f"{c['p99_ms']:.0f} ms ({c['sweep_seconds']:.0f} s per rate, single-instance requests, open loop). "
         f"64 clients: closed loop of single-instance requests for {c['seconds']:.0f} s. Machine load "
         f"(1-minute load average, before / after; other tenants included): {c['loadavg_1min']}.",
