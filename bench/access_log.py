@@ -112,7 +112,7 @@ def micro(work: Path, calls: int = 20000, repeats: int = 5) -> dict:
                 "text, a write per line": (True, False, False)}
     for name, (on, json_lines, buffered) in variants.items():
         config = logging_config(json_lines=json_lines)
-        stream = open(work / f"micro-{name.split(',')[0]}.log", "w")  # noqa: SIM115 - closed below
+        stream = open(work / f"micro-{name.replace(', ', '-').replace(' ', '-')}.log", "w")  # noqa: SIM115 - closed below
         config["handlers"]["access"] = {
             "()": BufferedStreamHandler if buffered else logging.StreamHandler, "stream": stream,
             "formatter": "dlrm", "filters": ["request_id"]}  # as served (logging_config), into a file

@@ -30,19 +30,33 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+class _SecondText:
+    """``time.strftime(fmt, convert(t))``, made once a second rather than once a line (the cached
+    tuple is replaced whole: threads formatting at once never mix two)."""
+
+    def __init__(self, convert) -> None:
+        self._convert = convert
+        self._last: tuple[int, str | None, str] = (-1, None, "")  # (second, format, its text)
+
+    def __call__(self, created: float, fmt: str) -> str:
+        second, last_fmt, text = self._last
+        if int(created) != second or fmt != last_fmt:
+            text = time.strftime(fmt, self._convert(created))
+            self._last = (int(created), fmt, text)
+        return text
+
+
 class TextFormatter(logging.Formatter):
     """``time LEVEL [rank N] logger: [request id] message``."""
 
     def __init__(self, prefix: str = "") -> None:
         super().__init__(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s", datefmt="%H:%M:%S")
-        self._stamp = (-1, None, "")  # (second, datefmt, its text): one strftime a second, not one a line
+        self._stamp = _SecondText(self.converter)
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 - logging's name
-        second, fmt, text = self._stamp
-        if int(record.created) != second or datefmt != fmt:  # (one tuple: threads at once never mix two)
-            text = super().formatTime(record, datefmt)
-            self._stamp = (int(record.created), datefmt, text)
-        return text
+        if datefmt is None:  # logging's default format carries milliseconds: not cached
+            return super().formatTime(record)
+        return self._stamp(record.created, datefmt)
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
@@ -58,19 +72,12 @@ class JsonFormatter(logging.Formatter):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._stamp = (-1, "")  # (second, its text), as TextFormatter's
-
-    def _second(self, created: float) -> str:
-        second, text = self._stamp
-        if int(created) != second:
-            text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
-            self._stamp = (int(created), text)
-        return text
+        self._stamp = _SecondText(time.gmtime)
 
     def format(self, record: logging.LogRecord) -> str:
         out = {
             "ts": round(record.created, 6),
-            "time": f"{self._second(record.created)}.{int(record.msecs):03d}Z",
+            "time": f"{self._stamp(record.created, '%Y-%m-%dT%H:%M:%S')}.{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),

@@ -79,6 +79,8 @@ class RowBlocks:
         """Rows ``dst`` [k] of pieces ``pieces`` [k] = rows ``src`` [k] of the same pieces (``dst``
         distinct and none of them among ``src``): :meth:`write` of :meth:`read`, without the copy
         between where the views share a buffer (in C where it is built)."""
-        if self.flat is not None and copy_rows(self.flat, self.base[pieces] + src, self.base[pieces] + dst):
-            return
+        if self.flat is not None:
+            base = self.base[pieces]
+            if copy_rows(self.flat, base + src, base + dst):
+                return
         self.write(pieces, dst, self.read(pieces, src))

@@ -71,3 +71,13 @@ def test_time_stamps_follow_the_clock_and_the_format():
             assert fmt.formatTime(record, datefmt) == time.strftime(datefmt, time.localtime(record.created))
     line = json.loads(JsonFormatter().format(later))
     assert line["time"].startswith(time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(later.created)))
+
+
+def test_the_default_time_format_keeps_its_milliseconds():
+    """formatTime without a date format is logging's own (milliseconds included), never cached."""
+    fmt = TextFormatter()
+    a = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    b = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    a.created, a.msecs = 1_000_000.25, 250.0
+    b.created, b.msecs = 1_000_000.75, 750.0
+    assert fmt.formatTime(a).endswith(",250") and fmt.formatTime(b).endswith(",750")

@@ -291,7 +291,6 @@ def take(lists: torch.Tensor, head: torch.Tensor, end: torch.Tensor, tabs: torch
     return "ran out" if got < 0 else (out[0, :got], out[1, :got], out[2, :got])
 
 
-
 def _rows_of(flat: torch.Tensor) -> tuple[int, int] | None:
     """(rows N, bytes a row) of a CPU buffer of contiguous rows [N, *row], or None."""
     if flat.device.type != "cpu" or not flat.is_contiguous() or flat.dim() == 0:
