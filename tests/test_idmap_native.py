@@ -16,6 +16,7 @@ from dlrm_core.errors import ConfigError
 from embedding_server.idmap import native
 from embedding_server.idmap.hash_table import TOMBSTONE, IdHashTable, probe
 from embedding_server.idmap.remap import ShardIdMaps
+from embedding_server.idmap.sketch import sketch_cells_of
 
 from .test_idmap_batched import HASHED_ROWS, stream, tables_for
 
@@ -62,6 +63,29 @@ def test_probe_and_insert_agree_with_torch(kernel):
             assert torch.equal(t.find(queries), want), (mode, probing)
         assert t.live == keys.numel() - 1500
     assert tables["native"].tombstones == tables["torch"].tombstones  # the same tombstones reused
+
+
+@pytest.mark.parametrize("width", [16, 1 << 12])
+def test_sketch_counts_agree_with_torch(kernel, width):
+    """The admission sketches' add-then-estimate: the same counters, totals and estimates, with
+    ids of one batch colliding in a narrow sketch (their estimates see each other's adds)."""
+    kernel("native")
+    gen = torch.Generator().manual_seed(1)
+    tables, depth = 3, 4
+    ids = torch.cat([torch.randint(-(2**63), 2**63 - 1, (2000,), generator=gen, dtype=torch.int64),
+                     torch.tensor([-1, 0, 1, 2**63 - 1, -(2**63)])])
+    which = torch.randint(0, tables, (ids.numel(),), generator=gen)
+    counts = torch.randint(1, 5, (ids.numel(),), generator=gen)
+    want_sketch = torch.randint(0, 3, (tables, depth * width), generator=gen, dtype=torch.int32)
+    got_sketch, want_added, got_added = want_sketch.clone(), torch.arange(tables), torch.arange(tables)
+    cells = sketch_cells_of(ids, width, depth) + which * (depth * width)  # the torch version
+    flat = want_sketch.view(-1)
+    flat.scatter_add_(0, cells.reshape(-1), counts.to(torch.int32).repeat(depth))
+    want_added.index_add_(0, which, counts)
+    want = flat.index_select(0, cells.view(-1)).view(cells.shape).amin(dim=0).to(torch.int64)
+    got = native.sketch_add(got_sketch, got_added, ids, which, counts, width, depth)
+    assert torch.equal(got, want) and torch.equal(got_sketch, want_sketch) and torch.equal(got_added, want_added)
+    assert bool((got >= counts).all())  # never below an id's true count
 
 
 def test_probe_of_tables_side_by_side_with_per_id_masks(kernel):

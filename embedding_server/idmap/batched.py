@@ -32,6 +32,7 @@ from embedding_server.idmap.hash_table import EMPTY, TOMBSTONE, mix64, probe
 from embedding_server.idmap.native import place as native_place
 from embedding_server.idmap.native import rebuild as native_rebuild
 from embedding_server.idmap.native import release as native_release
+from embedding_server.idmap.native import sketch_add as native_sketch_add
 from embedding_server.idmap.native import victims as native_victims
 from embedding_server.idmap.sketch import RESET_FACTOR, sketch_cells_of
 from embedding_server.idmap.victims import RecentVictims
@@ -166,12 +167,14 @@ class MapGroup:
         """Add the occurrences to each table's sketch -> estimates int64 [u]; halve the sketches
         (and use counts) of the tables that reached their reset."""
         width, depth = self.sketch.width, self.sketch.depth
-        cells = sketch_cells_of(uniq, width, depth) + ut * (depth * width)  # [d, u]
-        flat = self.s["sketch_counts"].view(-1)  # [M * d * W]
-        flat.scatter_add_(0, cells.reshape(-1), counts.to(torch.int32).repeat(depth))
         added = self.s["sketch_added"]
-        added.index_add_(0, ut, counts)
-        estimate = flat.index_select(0, cells.view(-1)).view(cells.shape).amin(dim=0).to(torch.int64)  # [u]
+        estimate = native_sketch_add(self.s["sketch_counts"], added, uniq, ut, counts, width, depth)  # [u]
+        if estimate is None:
+            cells = sketch_cells_of(uniq, width, depth) + ut * (depth * width)  # [d, u]
+            flat = self.s["sketch_counts"].view(-1)  # [M * d * W]
+            flat.scatter_add_(0, cells.reshape(-1), counts.to(torch.int32).repeat(depth))
+            added.index_add_(0, ut, counts)
+            estimate = flat.index_select(0, cells.view(-1)).view(cells.shape).amin(dim=0).to(torch.int64)
         halve = where_true(added >= RESET_FACTOR * width)
         if halve.numel():
             self.s["sketch_counts"][halve] = self.s["sketch_counts"][halve] >> 1

@@ -1,8 +1,9 @@
 /* The id maps' hot loops in C: hash-table probes, inserts and rebuilds (hash_table.py holds the layout and
  * the torch version), a training lookup's probe-and-touch and the freeing of rows (remap.py,
- * batched.py), the choice of victims by key (batched.py), and the gathers, scatters and fills of
- * the rows handed to new ids (row_blocks.py). native.py builds and loads this file;
- * each function makes exactly the decisions of the torch code it replaces.
+ * batched.py), the choice of victims by key and the admission sketches' counts (batched.py),
+ * and the gathers, scatters and fills of the rows handed to new ids (row_blocks.py). native.py
+ * builds and loads this file; each function makes exactly the decisions of the torch code it
+ * replaces.
  *
  * Buckets: keys[H] (raw ids) and slots[H] (>= 0: the key's slot; -1 empty; -2 a tombstone).
  * A key's home is base + (mix64(key) & mask), and it probes base + ((home + k) & mask): several
@@ -195,6 +196,53 @@ int64_t idhash_victims(const int64_t *last, const uint8_t *used, const int64_t *
         }
     }
     return out;
+}
+
+/* -- the admission sketches' counts (batched.py MapGroup._count) ------------------------------- */
+
+#define SKETCH_AHEAD 8 /* ids whose counters are prefetched ahead of the one counted */
+
+/* Counter of id in row r of its sketch (sketch.sketch_cells_of, without the table's base): double
+ * hashing h1 + r * h2 from the halves of mix64(id) with salt 1; equal to the torch version's low
+ * bits for any width up to 2^32. */
+static inline int64_t sketch_cell(uint64_t h, int64_t r, int64_t width) {
+    const uint64_t h1 = h & 0xFFFFFFFFULL, h2 = (h >> 32) | 1;
+    return (int64_t)((h1 + (uint64_t)r * h2) & (uint64_t)(width - 1)) + r * width;
+}
+
+/* Count-min sketches of M tables side by side (sketch: [M, depth, width] int32, width a power of
+ * two): ids[i] (distinct within its table) of table tables[i] adds counts[i] to its depth
+ * counters, and added[tables[i]] grows by counts[i]; then out[i] = the smallest of its counters
+ * after every add (colliding ids of one batch see each other's counts, as the torch version's
+ * scatter_add then gather). */
+void idhash_sketch_add(int32_t *sketch, int64_t *added, const int64_t *ids, const int64_t *tables,
+                       const int64_t *counts, int64_t n, int64_t width, int64_t depth, int64_t *out) {
+    const int64_t per = depth * width;
+    for (int64_t i = -SKETCH_AHEAD; i < n; i++) {
+        const int64_t j = i + SKETCH_AHEAD;
+        if (j < n) {
+            const uint64_t h = mix64((uint64_t)ids[j] + 1);
+            for (int64_t r = 0; r < depth; r++)
+                __builtin_prefetch(sketch + tables[j] * per + sketch_cell(h, r, width), 1);
+        }
+        if (i < 0)
+            continue;
+        const uint64_t h = mix64((uint64_t)ids[i] + 1);
+        int32_t *base = sketch + tables[i] * per;
+        for (int64_t r = 0; r < depth; r++)
+            base[sketch_cell(h, r, width)] += (int32_t)counts[i];
+        added[tables[i]] += counts[i];
+    }
+    for (int64_t i = 0; i < n; i++) {  /* estimates once every id has added: a second pass */
+        const uint64_t h = mix64((uint64_t)ids[i] + 1);
+        const int32_t *base = sketch + tables[i] * per;
+        int32_t low = base[sketch_cell(h, 0, width)];
+        for (int64_t r = 1; r < depth; r++) {
+            const int32_t v = base[sketch_cell(h, r, width)];
+            low = v < low ? v : low;
+        }
+        out[i] = low;
+    }
 }
 
 /* -- a training lookup's probe: found ids' rows touched on the way ------------------------------ */

@@ -129,6 +129,8 @@ def library() -> ctypes.CDLL | None:
     lib.idhash_place.restype = _I
     lib.idhash_victims.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P]
     lib.idhash_victims.restype = _I
+    lib.idhash_sketch_add.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _P]
+    lib.idhash_sketch_add.restype = None
     lib.idhash_find_touch.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _P]
     lib.idhash_find_touch.restype = _I
     lib.idhash_release.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _I, _I]
@@ -214,6 +216,22 @@ def victims(last: torch.Tensor, used: torch.Tensor, uses: torch.Tensor, tabs: to
                              _ptr(below), tabs.numel(), rows, top, lfu, scratch.data_ptr(),
                              out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr())
     return out[0, :got], out[1, :got], out[2, :got]
+
+
+def sketch_add(sketch: torch.Tensor, added: torch.Tensor, ids: torch.Tensor, tables: torch.Tensor,
+               counts: torch.Tensor, width: int, depth: int) -> torch.Tensor | None:
+    """``MapGroup._count``'s sketch update in C: ``counts`` [u] occurrences of ``ids`` [u]
+    (distinct within their table, ``tables`` [u]) added to the tables' count-min sketches
+    (``sketch`` [M, d * W] int32, rows of ``width`` W) and to ``added`` [M] -> their estimates after every add, int64
+    [u]; None where the library is off."""
+    lib = library()
+    ids, tables, counts = ids.contiguous(), tables.contiguous(), counts.contiguous()
+    if lib is None or not _usable(added, ids, tables, counts) or not _usable(sketch, dtype=torch.int32):
+        return None
+    out = torch.empty(ids.numel(), dtype=torch.int64)
+    lib.idhash_sketch_add(sketch.data_ptr(), added.data_ptr(), ids.data_ptr(), tables.data_ptr(), counts.data_ptr(),
+                          ids.numel(), width, depth, out.data_ptr())
+    return out
 
 
 def find_touch(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, k: torch.Tensor,
