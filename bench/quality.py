@@ -18,7 +18,9 @@ and, for choosing hashed or dynamic ids (``--parts ids``): test AUC against tabl
 modes, several seeds, on generated data where collisions cost AUC (a flatter Zipf law,
 ``--ids-zipf``, so that tens of thousands of ids per feature are each seen many times; tables
 capped well below the vocabularies, ``--capacities``), beside the uncapped hashed table, and on
-the real Criteo sample.
+the real Criteo sample; with ``--ids-controls N`` beside hashed runs on N equivalent hashes
+(rows permuted: the same collisions) pooled with it, and with ``--ids-stand-in`` the offline
+stand-in (frequent ids own rows, known in advance), both from ``id_controls.py``.
 
 Usage: python bench/quality.py [--parts criteo,own,ids] [--synth-rows 500000] [--seeds 3].
 Writes bench/results/quality.{json,md} (the parts run, merged with the others' last results).
@@ -41,6 +43,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
+from id_controls import equivalent_hash, stand_in  # noqa: E402
 from plain_dlrm import PlainDLRM  # noqa: E402
 
 from dense_trainer.config import Config, load_config  # noqa: E402
@@ -55,7 +58,8 @@ PLAIN_LR = 1e-3  # SparseAdam's and Adam's default
 
 
 def run_ours(cfg: Config, train: Path, test: Path) -> dict:
-    m = Trainer(cfg, Path(tempfile.mkdtemp())).fit([train], [test])
+    with tempfile.TemporaryDirectory(prefix="dlrm-quality-") as run_dir:  # checkpoints: ~400 MB a run
+        m = Trainer(cfg, Path(run_dir)).fit([train], [test])
     return {k: m[k] for k in ("test_auc", "test_logloss", "train_samples_per_s", "samples_seen")}
 
 
@@ -184,10 +188,21 @@ def criteo_folds(args) -> list[tuple[Path, Path]]:
     return out
 
 
-def paired(runs: list[dict], base: list[dict]) -> dict:
-    """Mean and standard error of ``runs`` minus ``base`` test AUC, run by run (same split, same seed)."""
+def paired(runs: list[dict], base: list[dict], seeds: int) -> dict:
+    """Mean and standard error of ``runs`` minus ``base`` test AUC, run by run (same split, same
+    seed; split-major, ``seeds`` per split). The standard error is two-way clustered by seed and
+    by split (Cameron, Gelbach & Miller: V_seed + V_split - V_run, at least the larger of the
+    first two): a seed's initial weights and a split's id -> row mapping each move all of their
+    runs together, so run-by-run scatter alone understates the uncertainty (seed 4 of the Criteo
+    folds sits 0.015 below hashed in all five)."""
     d = np.array([r["test_auc"] - b["test_auc"] for r, b in zip(runs, base, strict=True)])
-    return {"vs_hashed": float(d.mean()), "vs_hashed_se": float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else None}
+    if len(d) < 2:
+        return {"vs_hashed": float(d.mean()), "vs_hashed_se": None}
+    grid = d.reshape(-1, seeds)  # [splits, seeds]
+    v_run = d.var(ddof=1) / d.size
+    v_seed = grid.mean(0).var(ddof=1) / grid.shape[1] if grid.shape[1] > 1 else v_run
+    v_split = grid.mean(1).var(ddof=1) / grid.shape[0] if grid.shape[0] > 1 else v_run
+    return {"vs_hashed": float(d.mean()), "vs_hashed_se": float(np.sqrt(max(v_seed + v_split - v_run, v_seed, v_split)))}
 
 
 def ids_part(args, quiet: list[dict]) -> dict:
@@ -211,22 +226,66 @@ def ids_part(args, quiet: list[dict]) -> dict:
         row = {}
         for rows in [int(c) for c in args.capacities.split(",")] + [args.unlimited]:
             modes = ("hashed", "dynamic") if rows != args.unlimited else ("hashed",)
-            hashed = []
+            by_mode = {}
             for mode in modes:
                 extra = {"embedding": {"hash_size": rows, **(dynamic if mode == "dynamic" else {})}}
-                runs = []
-                for split, (train, test) in enumerate(splits):
-                    for seed in range(args.seeds):
-                        print(f"{name}: {mode}, {rows} rows, split {split}, seed {seed}", file=sys.stderr, flush=True)
-                        runs.append(run_ours(load_config(None, quiet + [extra, {"train": {"seed": seed}}]), train, test))
+                runs = by_mode[mode] = runs_on(args, quiet, extra, splits, f"{name}: {mode}, {rows} rows")
                 label = f"{mode}, {rows:,} rows per table" + (" (uncapped)" if rows == args.unlimited else "")
                 row[label] = {**mean_of(runs), "rows": rows, "mode": mode}
-                if mode == "hashed":
-                    hashed = runs
-                else:
-                    row[label].update(paired(runs, hashed))
+                if mode == "dynamic":
+                    row[label].update(paired(runs, by_mode["hashed"], args.seeds))
+                    if args.ids_controls or args.ids_stand_in:
+                        controls = control_rows(args, quiet, name, splits, rows, by_mode)
+                        row[label].update(controls.pop("dynamic", {}))
+                        row.update(controls)
         results[f"ids: {name}"] = row
     return results
+
+
+def runs_on(args, quiet: list[dict], extra: dict, splits: list[tuple[Path, Path]], what: str) -> list[dict]:
+    """``--seeds`` runs of the config ``extra`` on each split, split-major (the order ``paired``
+    pairs by)."""
+    runs = []
+    for split, (train, test) in enumerate(splits):
+        for seed in range(args.seeds):
+            print(f"{what}, split {split}, seed {seed}", file=sys.stderr, flush=True)
+            runs.append(run_ours(load_config(None, quiet + [extra, {"train": {"seed": seed}}]), train, test))
+    return runs
+
+
+def control_rows(args, quiet: list[dict], name: str, splits: list[tuple[Path, Path]], rows: int,
+                 by_mode: dict[str, list[dict]]) -> dict:
+    """``id_controls``' rows at ``rows`` rows per table: ``--ids-controls`` hashed runs on
+    equivalent hashes (each paired with the original), their pool with it (dynamic's difference
+    from the pool under "dynamic"), and with ``--ids-stand-in`` the offline stand-in."""
+    hashed = {"embedding": {"hash_size": rows}}
+    out, pool = {}, [by_mode["hashed"]]
+    for c in range(args.ids_controls):
+        copies = [equivalent_hash(tr, te, args.work / "ids-controls" / f"{tr.parent.name}-{rows}-perm{c + 1}", rows,
+                                  seed=c + 1) for tr, te in splits]
+        runs = runs_on(args, quiet, hashed, copies, f"{name}: hashed, {rows} rows, equivalent hash {c + 1}")
+        out[f"hashed, {rows:,} rows, rows permuted (control {c + 1})"] = {**mean_of(runs), **paired(runs, pool[0], args.seeds)}
+        pool.append(runs)
+    pooled = [{k: float(np.mean([runs[i][k] for runs in pool])) for k in ("test_auc", "test_logloss",
+                                                                          "train_samples_per_s", "samples_seen")}
+              for i in range(len(pool[0]))]
+    if len(pool) > 1:
+        out[f"hashed, {rows:,} rows, pooled over {len(pool)} equivalent hashes"] = mean_of(pooled)
+        out["dynamic"] = pooled_diff(by_mode["dynamic"], pooled, args.seeds)
+    if args.ids_stand_in:
+        shared = max(1, int(rows * load_config(None).embedding.shared_rows))
+        copies = [stand_in(tr, te, args.work / "ids-controls" / f"{tr.parent.name}-{rows}-stand-in", rows, shared)
+                  for tr, te in splits]
+        runs = runs_on(args, quiet, hashed, copies, f"{name}: offline stand-in, {rows} rows")
+        out[f"offline stand-in, {rows:,} rows"] = {**mean_of(runs), **paired(runs, pool[0], args.seeds),
+                                                   **(pooled_diff(runs, pooled, args.seeds) if len(pool) > 1 else {})}
+    return out
+
+
+def pooled_diff(runs: list[dict], pooled: list[dict], seeds: int) -> dict:
+    """``paired`` against hashed pooled over equivalent hashes, as vs_pooled / vs_pooled_se."""
+    p = paired(runs, pooled, seeds)
+    return {"vs_pooled": p["vs_hashed"], "vs_pooled_se": p["vs_hashed_se"]}
 
 
 def main() -> None:
@@ -246,6 +305,10 @@ def main() -> None:
     p.add_argument("--ids-data", default="generated,criteo", help="ids part: data sets (generated, criteo)")
     p.add_argument("--ids-folds", type=int, default=1,
                    help="ids part: Criteo sample splits (1: its own; K: K-fold over its 10,000 rows)")
+    p.add_argument("--ids-controls", type=int, default=0,
+                   help="ids part: hashed runs on this many equivalent hashes (rows permuted), pooled (id_controls.py)")
+    p.add_argument("--ids-stand-in", action="store_true",
+                   help="ids part: the offline stand-in too (frequent ids own rows, id_controls.py)")
     p.add_argument("--criteo", type=Path, default=REPO.parent / "shared" / "data" / "criteo-wideresdnn")
     p.add_argument("--avazu", type=Path, default=REPO.parent / "shared" / "data" / "avazu-wideresdnn")
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench")
@@ -283,6 +346,8 @@ def render(out: dict) -> str:
             seeds = f" (seeds: {', '.join(map(str, r['seeds']))})" if "seeds" in r else ""
             if r.get("vs_hashed_se") is not None:
                 seeds += f"; paired vs hashed {r['vs_hashed']:+.4f} (standard error {r['vs_hashed_se']:.4f})"
+            if r.get("vs_pooled_se") is not None:
+                seeds += f"; vs hashed pooled {r['vs_pooled']:+.4f} (standard error {r['vs_pooled_se']:.4f})"
             lines.append(f"| {data} | {system}{seeds} | {r['test_auc']:.4f} | {r['test_logloss']:.4f} | {sps} |")
     return "\n".join(lines) + "\n"
 
