@@ -46,6 +46,9 @@ value; 0xFFFF when either is not a hex digit."""
 _PAIR_HIGH_BYTES = np.uint64(0xFF00FF00FF00FF00)
 _K1, _K2, _SEED = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x243F6A8885A308D3)
 _F1, _F2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
+DENSE_MAX_ABS = float(np.finfo(np.float32).max)
+"""Largest magnitude of a dense value taken (the model computes in float32; beyond it a value
+would become inf): larger ones are bad values, in files (file and line) and requests (422)."""
 _NUMBER = r"^\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*$"
 _INTEGER = r"^\s*[+-]?[0-9]{1,18}\s*$"
 
@@ -333,9 +336,10 @@ def parse_labels(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 class Featurizer:
     """Turns raw columns into model inputs for one feature spec (thread-safe, stateless)."""
 
-    def __init__(self, spec: FeatureSpec, with_label: bool = True) -> None:
+    def __init__(self, spec: FeatureSpec, with_label: bool = True, dense_max_abs: float = DENSE_MAX_ABS) -> None:
         self.spec = spec
         self.with_label = with_label
+        self.dense_max_abs = dense_max_abs
         tables = [spec.table_of(f) for f in range(len(spec.categorical))]
         self.table_rows = [t.rows if t.dynamic is None else None for t in tables]  # None: raw ids
         self.multi_hot = any(f.separator is not None for f in spec.categorical)
@@ -358,6 +362,8 @@ class Featurizer:
         for j, feat in enumerate(self.spec.dense):
             x, good = parse_numbers(columns[feat.name])
             reasons.append((~good, f"{feat.name} is not a number", feat.name))
+            reasons.append((good & (np.abs(x) > self.dense_max_abs),
+                            f"{feat.name} is out of range (at most {self.dense_max_abs:.7g} in magnitude)", feat.name))
             if feat.integer:
                 reasons.append((good & ~np.isnan(x) & (x != np.floor(x)), f"{feat.name} is not an integer", feat.name))
             raw[:, j] = x

@@ -20,7 +20,7 @@ import re
 import numpy as np
 import pyarrow as pa
 
-from dlrm_core.featurize import RESERVED_ID, hash_strings, transform_dense_block
+from dlrm_core.featurize import DENSE_MAX_ABS, RESERVED_ID, hash_strings, transform_dense_block
 from dlrm_core.schema import FeatureSpec
 
 MAX_EXAMPLES = 16
@@ -38,8 +38,10 @@ class ValueFeaturizer:
     Shapes: n examples, I dense and F categorical features.
     """
 
-    def __init__(self, spec: FeatureSpec) -> None:
+    def __init__(self, spec: FeatureSpec, dense_max_abs: float = DENSE_MAX_ABS) -> None:
         self.spec = spec
+        self.dense_max_abs = dense_max_abs
+        """Larger dense values take the column path, which reports them."""
         self.enabled = not any(f.separator is not None for f in spec.categorical)
         """A spec with multi-hot features always takes the column path."""
         self.encodings = [f.encoding for f in spec.categorical]
@@ -63,15 +65,16 @@ class ValueFeaturizer:
     def _numbers(self, dense: list[list], n: int) -> np.ndarray | None:
         """-> float64 [n, I], NaN where missing; None for a value the column path reads otherwise."""
         x = np.empty((n, len(dense)), dtype=np.float64)
+        top = self.dense_max_abs
         for j, values in enumerate(dense):
             integer = self.integer[j]
             for i, v in enumerate(values):
                 t = type(v)
                 if v is None:
                     x[i, j] = math.nan
-                elif t is int and -_EXACT <= v <= _EXACT:
+                elif t is int and -_EXACT <= v <= _EXACT and -top <= v <= top:
                     x[i, j] = v
-                elif t is float and math.isfinite(v) and (not integer or v.is_integer()):
+                elif t is float and -top <= v <= top and (not integer or v.is_integer()):
                     x[i, j] = v
                 else:
                     return None

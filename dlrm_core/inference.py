@@ -27,7 +27,7 @@ import tomli_w
 
 from dlrm_core.errors import ConfigError, DataError
 from dlrm_core.featurize import parse_labels
-from dlrm_core.formats.base import check_files, open_stream
+from dlrm_core.formats.base import check_files, check_format, open_stream
 from dlrm_core.schema import FORMAT_DEFAULTS, CategoricalFeature, DenseFeature, FormatName
 
 SAMPLE_ROWS, MAX_ROWS = 100_000, 1_000_000  # rows read; cap of a table's rows (the default embedding.hash_size)
@@ -179,6 +179,8 @@ def read_sample(files: Sequence[Path], format: str = "auto", sample_rows: int = 
     files = [Path(f) for f in files]
     check_files(files, "input")
     fmt = detect_format(files[0], format)
+    for path in files:
+        check_format(path, fmt, "--format {}")  # --format csv on a Parquet file, or the reverse: say so
     names, header, delimiter, quoted = [], False, "," if fmt == "csv" else "\t", fmt != "criteo"
     if fmt == "parquet":
         names = _read_parquet(files[0], 1)[0].column_names
@@ -226,7 +228,8 @@ class Profile:
     values: int = 0  # values seen: the non-empty cells, or a multi-hot column's tokens
     distinct: int = 0
     numbers: np.ndarray | None = None  # float64 of the non-empty values, when all are numbers
-    integral: bool = False
+    integral: bool = False  # integers as stored (an integer type, or text without a point)
+    whole: bool = False  # every value a whole number (126 or 126.0): an id when unique per row
     leading_zeros: bool = False
     example: str | None = None  # a value that is not a number
     separator: str | None = None
@@ -265,7 +268,9 @@ def profile(column: pa.ChunkedArray, delimiter: str) -> Profile:
         return p
     p.distinct = pc.count_distinct(values).as_py()
     if storage in ("integer", "float"):
-        p.numbers, p.integral = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False), storage == "integer"
+        p.numbers = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
+        p.integral = storage == "integer"
+        p.whole = p.integral or _whole(p.numbers)  # 126.0 as stored reads as 126 in a CSV
         return p
     good = pc.match_substring_regex(values, NUMBER)
     if not pc.all(good).as_py():
@@ -281,8 +286,17 @@ def profile(column: pa.ChunkedArray, delimiter: str) -> Profile:
         return p
     p.numbers = pc.cast(pc.utf8_trim_whitespace(values), pa.float64()).to_numpy(zero_copy_only=False)
     p.integral = bool(pc.all(pc.match_substring_regex(values, INTEGER)).as_py())
+    p.whole = p.integral or _whole(p.numbers)
     p.leading_zeros = p.integral and bool(pc.any(pc.match_substring_regex(values, LEADING_ZERO)).as_py())
     return p
+
+
+def _whole(x: np.ndarray) -> bool:
+    """Whether every value is a whole number (exactly representable): ``126.0`` counts as an
+    integer whether a file stores it as a float (Parquet) or as text (``126`` or ``126.0``), so
+    that CSV and Parquet copies of one table get one schema."""
+    return bool(len(x)) and bool(np.isfinite(x).all()) and float(np.abs(x).max()) < 2.0**53 \
+        and bool((x == np.floor(x)).all())
 
 
 def looks_like_counts(x: np.ndarray, distinct: int) -> bool:
@@ -322,7 +336,7 @@ def guess(p: Profile, rows: int) -> Guess:
         return "categorical", f"multi-hot: {how}, {p.distinct:,} distinct tokens", None
     if p.storage == "bool":
         return "dense", "true/false", "none"
-    if (p.numbers is None or p.integral) and rows >= ID_MIN_ROWS and p.distinct >= ID_SHARE * p.non_empty:
+    if (p.numbers is None or p.whole) and rows >= ID_MIN_ROWS and p.distinct >= ID_SHARE * p.non_empty:
         return "ignored", f"unique per row ({p.distinct:,} distinct of {p.non_empty:,}): an id", None
     if p.numbers is None:
         return "categorical", f"text, {p.distinct:,} distinct values", None

@@ -180,7 +180,7 @@ def test_one_line_gives_the_line_parsers_inputs_or_defers(row):
     text = "\t".join(([label] if label is not None else []) + fields).encode() + b"\n"
     parser = LineParser(CRITEO)
     try:
-        expected, _ = featurize_lines(type("Columns", (), {"one_line": lambda self, t: None,
+        expected, _ = featurize_lines(type("Columns", (), {"one_line": lambda self, t: None, "format": parser.format,
                                                            "parse": parser.parse})(), text, 10)
     except InputError as exc:
         with pytest.raises(InputError) as raised:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from dlrm_core.errors import DataError
-from dlrm_core.featurize import LABEL, Featurizer, ParsedBlock
+from dlrm_core.featurize import DENSE_MAX_ABS, LABEL, Featurizer, ParsedBlock
 from dlrm_core.featurize_values import ValueFeaturizer
 from dlrm_core.formats.base import FileLayout, RawBlock, check_files, feature_positions, open_stream
 from dlrm_core.formats.delimited import DelimitedFormat
@@ -92,7 +92,7 @@ class LineParser:
     without the label column. Parquet models take tab-separated lines in the schema's column order.
     """
 
-    def __init__(self, spec: FeatureSpec) -> None:
+    def __init__(self, spec: FeatureSpec, dense_max_abs: float = DENSE_MAX_ABS) -> None:
         if not spec.columns:
             raise DataError("the model's spec lists no input columns: it cannot parse lines")
         self.spec = spec
@@ -102,8 +102,8 @@ class LineParser:
         self.with_label = FileLayout(Path("request"), self.names, feature_positions(spec, self.names, "request"))
         without = [n for i, n in enumerate(self.names) if i != self.with_label.positions[LABEL]]
         self.without_label = FileLayout(Path("request"), without, feature_positions(spec, without, "request", False))
-        self.featurize = {True: Featurizer(spec, True), False: Featurizer(spec, False)}
-        self.values = ValueFeaturizer(spec)
+        self.featurize = {True: Featurizer(spec, True, dense_max_abs), False: Featurizer(spec, False, dense_max_abs)}
+        self.values = ValueFeaturizer(spec, dense_max_abs)
 
     def one_line(self, text: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """A single unquoted line -> model inputs through the value path (the same inputs as

@@ -66,6 +66,47 @@ def open_stream(path: Path) -> io.BufferedIOBase:
     return f
 
 
+PARQUET_MAGIC = b"PAR1"
+
+
+def sniff_format(path: Path) -> str:
+    """What the file's first bytes say it is: ``parquet`` (its magic), ``text`` (CSV/TSV/Criteo,
+    plain or gzip: no NUL, few control bytes) or ``binary`` (anything else)."""
+    with open_stream(path) as f:
+        head = f.read(4096)
+    if head[:4] == PARQUET_MAGIC:
+        return "parquet"
+    control = sum(b < 32 and b not in (9, 10, 13) for b in head)  # Latin-1 or UTF-8 text has none
+    return "binary" if b"\x00" in head or control > len(head) // 20 else "text"
+
+
+def check_format(path: Path, format: str, setting: str = 'format = "{}" in the config') -> None:
+    """Refuse a file whose content is not the schema's ``format``, naming what it is and the
+    setting to change (instead of reading a Parquet file's bytes as a CSV header).
+
+    Raises:
+        DataError: a Parquet file read as text, or a text / binary file read as Parquet.
+            ``setting`` (``{}`` for the format to give) says where the format is chosen.
+    """
+    found = sniff_format(path)
+    if format == "parquet" and found != "parquet":
+        what = "a text file (CSV or TSV)" if found == "text" else "not a Parquet file (no PAR1 magic)"
+        raise DataError(f"{path}: the schema's format is 'parquet', but the file is {what}; "
+                        f"set {setting.format('csv')} (or tsv)")
+    if format != "parquet" and found == "parquet":
+        raise DataError(f"{path}: the file is Parquet (PAR1 magic), but the schema's format is {format!r}; "
+                        f"set {setting.format('parquet')}")
+    if format != "parquet" and found == "binary":
+        raise DataError(f"{path}: the file is binary, not {format} text (nor gzip, nor Parquet); "
+                        f"check the path, or set {setting.format('...')}")
+
+
+def printable(text: str, limit: int = 40) -> str:
+    """``text`` cut to ``limit`` characters, non-printable ones escaped (safe for a terminal)."""
+    cut = text[:limit] + ("..." if len(text) > limit else "")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in cut)
+
+
 def check_files(paths: list[Path], what: str) -> None:
     """Fail early, naming the file, if any input cannot be opened."""
     if not paths:
@@ -88,8 +129,8 @@ def resolve_column(ref: Column, names: list[str], where: str, what: str) -> int:
             return i
         raise DataError(f"{where}: {what} is column {i}, but the input has {len(names)} columns")
     close = difflib.get_close_matches(str(ref), names, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
+    hint = f" (did you mean {printable(close[0])!r}?)" if close else ""
+    shown = ", ".join(printable(n) for n in names[:12]) + (" ..." if len(names) > 12 else "")
     raise DataError(f"{where}: no column {ref!r} for {what}{hint}; the columns are: {shown}")
 
 

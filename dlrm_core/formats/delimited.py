@@ -21,7 +21,7 @@ import pyarrow.csv as pcsv
 
 from dlrm_core.errors import DataError
 from dlrm_core.featurize import BadLine
-from dlrm_core.formats.base import FileLayout, RawBlock, open_stream
+from dlrm_core.formats.base import FileLayout, RawBlock, check_format, open_stream
 from dlrm_core.schema import FeatureSpec
 
 
@@ -98,6 +98,7 @@ class DelimitedFormat:
 
     def column_names(self, path: Path) -> list[str]:
         """The file's columns: its header, the spec's ``columns``, or ``0, 1, ...``."""
+        check_format(path, self.spec.format)  # a Parquet file under a CSV schema: say so
         first = self._first_line(path)
         if self.has_header(path):
             if not first.strip():

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from dlrm_core.errors import DataError
 from dlrm_core.featurize import LABEL, BadLine
-from dlrm_core.formats.base import FileLayout, RawBlock
+from dlrm_core.formats.base import FileLayout, RawBlock, check_format
 from dlrm_core.schema import FeatureSpec
 
 ROW_BYTES = 64
@@ -31,7 +31,8 @@ def _open(path: Path) -> pq.ParquetFile:
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     except (pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"{path}: not a Parquet file ({exc})") from None
+        check_format(path, "parquet")  # a CSV under a Parquet schema: says so, and which setting
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
 
 
 def _kind_of(t: pa.DataType) -> str:
