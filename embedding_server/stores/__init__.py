@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import urlparse
 
 from dlrm_core.secrets import read_secret_file
-from dlrm_core.store_url import check_store_url
+from dlrm_core.store_url import check_store_url, file_store_dir
 from embedding_server.stores.base import (
     ServingStore,
     StoreUnavailable,
@@ -37,14 +36,10 @@ def open_store(
         timeout_s: socket timeout of every call to a remote store.
         password_file: file holding the store's password (default: ``$DLRM_STORE_PASSWORD_FILE``).
     """
-    parsed = urlparse(url)
     if check_store_url(url) == "file":
         from embedding_server.stores.file_store import FileStore
 
-        path = parsed.path if parsed.scheme == "file" else url
-        if parsed.scheme == "file" and parsed.netloc:  # file://relative/dir
-            path = parsed.netloc + parsed.path
-        return FileStore(path, keep_versions=keep_versions)
+        return FileStore(file_store_dir(url), keep_versions=keep_versions)
     from embedding_server.stores.redis_store import RedisStore
 
     password_file = password_file or os.environ.get(PASSWORD_FILE_ENV) or None
