@@ -52,7 +52,7 @@ from dense_trainer.data.synth import synthesize  # noqa: E402
 from dense_trainer.data.synth_table import synthesize_table  # noqa: E402
 from dense_trainer.metrics import log_loss_from_logits, roc_auc  # noqa: E402
 from dense_trainer.train import Trainer  # noqa: E402
-from dlrm_core.inference import infer_schema  # noqa: E402
+from dlrm_core.schema_inference import infer_schema  # noqa: E402
 
 PLAIN_LR = 1e-3  # SparseAdam's and Adam's default
 

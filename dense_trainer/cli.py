@@ -282,7 +282,7 @@ def run_schema(args: argparse.Namespace) -> int:
     """Infer the schema, write --out (checked to load as `dlrm train` loads it), print the table."""
     import shlex
 
-    from dlrm_core.inference import infer_schema
+    from dlrm_core.schema_inference import infer_schema
 
     schema = infer_schema(args.files, args.label, args.ignore, args.categorical, args.dense,
                           args.sample_rows, args.format, args.max_rows)

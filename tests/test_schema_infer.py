@@ -1,4 +1,4 @@
-"""Schema inference (dlrm_core/inference.py, `dlrm data schema`): the decisions and their reasons
+"""Schema inference (dlrm_core/schema_inference.py, `dlrm data schema`): the decisions and their reasons
 on generated CSV, TSV and Parquet files and on the real Avazu and Criteo samples, the errors, and
 a written config that loads, resolves and reads its data."""
 
@@ -15,13 +15,8 @@ import pytest
 from dense_trainer.config import load_config, prepare_config
 from dlrm_core.errors import ConfigError, DataError
 from dlrm_core.formats import InputReader
-from dlrm_core.inference import (
-    detect_format,
-    infer_schema,
-    looks_like_counts,
-    looks_like_header,
-    table_rows,
-)
+from dlrm_core.schema_inference import infer_schema, looks_like_counts, table_rows
+from dlrm_core.schema_sample import detect_format, looks_like_header
 
 from .conftest import REPO, SHARED_DATA
 

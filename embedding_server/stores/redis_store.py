@@ -217,9 +217,8 @@ class RedisStore(ServingStore):
                 url, socket_timeout=t, socket_connect_timeout=timeout_s,
                 health_check_interval=30, decode_responses=False, retry=Retry(NoBackoff(), 0), **extra,
             ) for t in (timeout_s, max(timeout_s, BULK_TIMEOUT_S)))
-        except (ValueError, TypeError):  # the library's message may quote the password: not passed on
-            raise ConfigError(f"store URL {self.url}: not a valid Redis URL "
-                              "(redis://[user[:password]@]host:port/db)") from None
+        except (ValueError, TypeError):  # the library's message may quote the password: dropped
+            raise ConfigError(f"store URL {self.url}: not a valid Redis URL (redis://[user[:pw]@]host:port/db)") from None
         self._meta_cache: dict[str, ModelVersion] = {}
         self._gather_sha = hashlib.sha1(GATHER.encode()).hexdigest()
         self._scripts = {name: client.register_script(src) for name, src, client in (
