@@ -1,7 +1,8 @@
 """The FastAPI application: routers (V1, the Open Inference Protocol, health and metrics), the
 lifespan (store and service opened and closed), error mapping (``errors.py``), and the
 middleware, outermost first: request context (id, latency, access log, JSON 500), bearer keys
-(before anything is read), body size limit, the scoring routes' lean path (``fastpath.py``)."""
+(before anything is read), body size limit, gzip / deflate bodies decoded, the scoring routes'
+lean path (``fastpath.py``); the documentation pages with local assets (``docs.py``)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 
-from api import openapi
-from api.auth import KeyRing, RequireKey
+from api import docs, openapi, probes
+from api.auth import RequireKey
 from api.errors import register_error_handlers
 from api.fastpath import FastScoring
 from api.metrics import ServingMetrics
-from api.middleware import BodyLimit, RequestContext
+from api.middleware import BodyLimit, ContentEncoding, RequestContext
 from api.router import FAST_HANDLERS as V1_FAST
 from api.router import STAGED as V1_STAGED
 from api.router import router
 from api.service import ModelService
 from api.settings import Settings, get_settings
+from api.slots import CpuSlots
 from api.v2.router import FAST_HANDLERS as V2_FAST
 from api.v2.router import STAGED as V2_STAGED
 from api.v2.router import router as v2_router
@@ -47,10 +49,10 @@ def create_app(
         metrics: default: a registry of its own, or every worker's in multiprocess mode.
 
     Raises:
-        ConfigError: an API key file cannot be read.
+        ConfigError: a key source yields no key or a short one, or a key file cannot be read.
     """
     settings = settings or get_settings()
-    keys = KeyRing(settings.api_keys(), settings.api_key_file)
+    keys = settings.key_ring()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -66,6 +68,9 @@ def create_app(
             settings.store, timeout_s=settings.store_timeout_s, password_file=settings.store_password_file)
         service = service_factory(the_store, settings, metrics or ServingMetrics())
         app.state.service = service
+        service.batcher.slots = app.state.slots  # one budget of CPU threads: the batcher's and the pool's
+        app.state.probes = probes.Probes(service)
+        probes.install(app.state.probes)  # answered by dlrm serve's HTTP protocol, ahead of scoring
         try:
             service.refresh()
         except Exception as exc:  # serve (not ready) until the store answers
@@ -74,6 +79,7 @@ def create_app(
         try:
             yield
         finally:
+            probes.install(None)
             service.stop()
             if own_store:
                 the_store.close()
@@ -83,16 +89,21 @@ def create_app(
         version="1",
         summary="Scores recommendation examples with a published DLRM (KServe V1 and the Open Inference Protocol).",
         lifespan=lifespan,
+        docs_url=None, redoc_url=None,  # ours: offline assets, a key field (api/docs.py)
     )
     app.state.settings = settings
     app.include_router(router)
     app.include_router(v2_router)
     register_error_handlers(app, settings.retry_after_s)
     openapi.install(app, settings.model_name, secured=keys.enabled)
+    docs.install(app, secured=keys.enabled)
     app.state.routes = openapi.route_table(app)
+    app.state.slots = CpuSlots(settings.pool_concurrency)
     if settings.fast_path:  # innermost: inside the body cap, the key check and the request context
         app.add_middleware(FastScoring, routes=app.state.routes, handlers={**V1_FAST, **V2_FAST},
-                           inline_max_bytes=settings.inline_max_bytes, staged={**V1_STAGED, **V2_STAGED})
+                           inline_max_bytes=settings.inline_max_bytes, staged={**V1_STAGED, **V2_STAGED},
+                           slots=app.state.slots)
+    app.add_middleware(ContentEncoding, limit=settings.max_body_bytes)  # inside the cap on the wire
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequireKey, keys=keys)
     app.add_middleware(RequestContext, access_log=settings.access_log, templates=[p for p, _ in app.state.routes])

@@ -34,6 +34,7 @@ import numpy as np
 from api.featurize import ModelInputs
 from api.metrics import ServingMetrics
 from api.model import ServingModel
+from api.slots import CpuSlots, waiting
 from embedding_server.stores import StoreUnavailable, VersionNotFound
 
 Score = Callable[[ServingModel, ModelInputs], list[float]]
@@ -93,6 +94,9 @@ class Batcher:
         """A model call is running (inline or on the batcher thread)."""
         self._coming = 0
         """Requests being decoded and featurised, not queued yet."""
+        self.slots: CpuSlots | None = None
+        """The app's CPU slots (``api/slots.py``, set by ``create_app``): the batcher thread holds
+        one while it scores, so it counts among the threads contending for the GIL."""
         self._local = threading.local()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -131,7 +135,8 @@ class Batcher:
                 self._queue.append(job)
                 self._cond.notify_all()
         if not inline:
-            return job.future.result()
+            with waiting():  # no CPU while the batcher scores it: the slot goes to another request
+                return job.future.result()
         try:
             self._observe([job])
             return self._score(model, inputs)
@@ -193,7 +198,11 @@ class Batcher:
                 batch = self._take()
                 self._busy = True
             try:
-                self._run(batch)
+                if self.slots is None:
+                    self._run(batch)
+                else:
+                    with self.slots.held():
+                        self._run(batch)
             finally:
                 with self._cond:
                     self._busy = False

@@ -23,6 +23,18 @@ from embedding_server.stores import StoreUnavailable, VersionNotFound
 log = logging.getLogger(__name__)
 
 
+ECHO_MAX = 64
+"""Longest piece of a request (a path segment, a name) an error message repeats."""
+
+
+def clipped(text: str) -> str:
+    """``text`` quoted for an error message, cut to :data:`ECHO_MAX` characters (a 10,000
+    character version name is not echoed whole)."""
+    if len(text) <= ECHO_MAX:
+        return repr(text)
+    return f"{text[:ECHO_MAX]!r}... ({len(text):,} characters)"
+
+
 class InputError(ValueError):
     """A request that is well-typed but wrong for this model (the API answers 422)."""
 

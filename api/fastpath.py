@@ -53,6 +53,7 @@ from starlette.routing import compile_path
 
 from api import inline
 from api.batching import BatcherStopped
+from api.slots import CpuSlots
 from dlrm_core.threads import LazyPool
 
 Handler = Callable[[object, dict[str, str], bytes, Headers], Response]
@@ -60,6 +61,9 @@ Handler = Callable[[object, dict[str, str], bytes, Headers], Response]
 THREADS = 40
 """Threads scoring requests at once (anyio's default limit, which ``run_in_threadpool`` applies)."""
 _pool = LazyPool(THREADS, "score")
+ADMITTED_PER_SLOT = 4
+"""Requests in pool threads per CPU slot: enough waiting on the batcher for it to coalesce them,
+few enough that completions and wake-ups do not crowd the event loop."""
 
 
 def pool() -> ThreadPoolExecutor:
@@ -104,9 +108,14 @@ class FastScoring:
     """
 
     def __init__(self, app, routes: list[tuple[str, str]], handlers: dict[str, Handler],
-                 inline_max_bytes: int = 0, staged: dict[str, Staged] | None = None) -> None:
+                 inline_max_bytes: int = 0, staged: dict[str, Staged] | None = None,
+                 slots: CpuSlots | None = None) -> None:
         self.app = app
         self.inline_max_bytes = inline_max_bytes
+        self.slots = slots or CpuSlots(THREADS)
+        self._admitted: asyncio.Semaphore | None = None
+        """Requests in pool threads at once (``ADMITTED_PER_SLOT`` per CPU slot; made on the loop)."""
+        """Pool threads doing CPU work at once (a wait for the batcher gives the slot back)."""
         self.in_flight = 0
         """Scoring requests between their arrival and their answer (this process's loop)."""
         posts = [t for t, method in routes if method == "POST"]
@@ -139,9 +148,7 @@ class FastScoring:
             service = scope["app"].state.service
             response = await self._on_loop(route, service, params, body, request.headers)
             if response is None:
-                ctx = contextvars.copy_context()  # the request id, for the handler's log lines
-                response = await asyncio.get_running_loop().run_in_executor(
-                    pool(), ctx.run, route.handler, service, params, body, request.headers)
+                response = await self._in_pool(route, service, params, body, request.headers)
         except Exception as exc:
             handler = exception_handler(scope["app"], exc)
             if handler is None:
@@ -153,6 +160,22 @@ class FastScoring:
         finally:
             self.in_flight -= 1
         await response(scope, receive, send)
+
+    async def _in_pool(self, route: FastRoute, service, params: dict[str, str], body: bytes,
+                       headers: Headers) -> Response:
+        """The handler's response from a pool thread holding one of ``pool_concurrency`` CPU
+        slots (``api/slots.py``): fewer threads contending for the GIL, so the loop (probes, new
+        connections, small requests) gets it within a switch interval or two."""
+        ctx = contextvars.copy_context()  # the request id, for the handler's log lines
+        if self._admitted is None:
+            self._admitted = asyncio.Semaphore(ADMITTED_PER_SLOT * self.slots.n)
+        async with self._admitted:  # the others wait here, holding no thread and no memory of a batch
+            return await asyncio.get_running_loop().run_in_executor(
+                pool(), ctx.run, self._held, route.handler, service, params, body, headers)
+
+    def _held(self, handler: Handler, *args) -> Response:
+        with self.slots.held():
+            return handler(*args)
 
     async def _on_loop(self, route: FastRoute, service, params: dict[str, str], body: bytes,
                        headers: Headers) -> Response | None:

@@ -153,6 +153,11 @@ def featurize_lines(parser: LineParser, text: bytes, max_lines: int) -> tuple[Mo
         return single, 1
     if text.count(b"\n") > max_lines + 1:
         raise InputError("body", f"more than {max_lines} lines, at most {max_lines} per request")
+    if parser.format.quoted and b'"' in text:
+        for n, line in enumerate(text.split(b"\n"), 1):
+            if line.count(b'"') % 2:  # "" escapes a quote: an odd count leaves one open at the break
+                raise InputError(f"line {n}", "a quoted value runs past the end of the line: line breaks "
+                                 "inside quotes are not taken here, nor in training files")
     try:
         parsed: ParsedBlock = parser.parse(text, "body")
     except DataError as exc:

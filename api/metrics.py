@@ -93,12 +93,18 @@ class ServingMetrics:
 
     def set_ready(self, ready: bool) -> None:
         self.ready.set(1 if ready else 0)
+        self._ready = ready
 
     def workers_ready(self) -> tuple[int, int]:
-        """(workers with a model, workers started): over every live worker in multiprocess mode."""
-        expected = int(os.environ.get(WORKERS_ENV, "1")) if self.multiprocess_dir else 1
+        """(workers with a model, workers started): over every live worker in multiprocess mode
+        (reading only the readiness gauge's files: the probes ask often)."""
+        if self.multiprocess_dir is None:
+            return int(getattr(self, "_ready", False)), 1
+        expected = int(os.environ.get(WORKERS_ENV, "1"))
+        _forget_dead_workers(self.multiprocess_dir)
+        files = glob.glob(os.path.join(self.multiprocess_dir, "gauge_liveall_*.db"))
         ready = 0
-        for family in self._collect():
+        for family in MultiProcessCollector.merge(files, accumulate=False):
             if family.name == "dlrm_worker_ready":
                 ready = sum(1 for s in family.samples if s.value >= 1)
         return ready, max(expected, 1)

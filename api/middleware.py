@@ -4,7 +4,9 @@
 else generated; echoed on the response and on every log line of the request), the latency
 histogram by route template and status, the optional access log, and the last resort for
 unhandled errors (a JSON 500 carrying the request id; the traceback is logged under it).
-``BodyLimit`` rejects oversized bodies before they are read.
+``BodyLimit`` rejects oversized bodies before they are read; ``ContentEncoding`` decodes gzip
+and deflate bodies (``Content-Encoding``, as Triton's client sends when asked), within the same
+limit on the decoded size.
 
 Per-request work is kept small (it is paid by every request, a few microseconds each): a generated
 id is a per-process random prefix and a counter (unique, not secret: nothing relies on ids being
@@ -20,6 +22,7 @@ import os
 import re
 import time
 import uuid
+import zlib
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -58,8 +61,9 @@ _ids = RequestIds()
 os.register_at_fork(after_in_child=_ids.reseed)
 
 
-class BodyLimit:
-    """Reject bodies larger than ``limit`` bytes with 413, before they are read into memory."""
+class _BodyMiddleware:
+    """An ASGI middleware on HTTP requests' bodies, bounded by ``limit`` bytes (``http``: what it
+    does; other scopes pass through)."""
 
     def __init__(self, app, limit: int) -> None:
         self.app = app
@@ -68,6 +72,16 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        return await self.http(scope, receive, send)
+
+    async def http(self, scope, receive, send):
+        raise NotImplementedError
+
+
+class BodyLimit(_BodyMiddleware):
+    """Reject bodies larger than ``limit`` bytes with 413, before they are read into memory."""
+
+    async def http(self, scope, receive, send):
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             body = error_body(scope["path"], f"body of {int(length)} bytes, at most {self.limit}", "body")
@@ -84,6 +98,90 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+DECODERS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+"""Content codings taken, as zlib's ``wbits`` (gzip header; zlib header)."""
+
+
+class ContentEncoding(_BodyMiddleware):
+    """Request bodies sent with ``Content-Encoding: gzip`` or ``deflate`` decoded before anything
+    reads them, their decoded size bounded by ``limit`` (413 beyond it: a small bomb cannot
+    inflate into memory); other codings are a 415 naming the header, a corrupt body a 400."""
+
+    async def http(self, scope, receive, send):
+        coding = next((v for k, v in scope.get("headers", []) if k == b"content-encoding"), None)
+        if coding is None:
+            return await self.app(scope, receive, send)
+        codings = [c.strip().lower() for c in coding.decode("latin-1").split(",") if c.strip()]
+        codings = [c for c in codings if c != "identity"]
+        unknown = [c for c in codings if c not in DECODERS]
+        if unknown or len(codings) > 2:
+            message = f"Content-Encoding {clipped_header(coding)} is not taken: gzip, deflate or identity"
+            return await JSONResponse(error_body(scope["path"], message, "Content-Encoding"),
+                                      status_code=415)(scope, receive, send)
+        try:
+            body = await _read_all(receive)
+        except StarletteHTTPException as exc:  # BodyLimit's, raised while reading
+            return await JSONResponse(error_body(scope["path"], str(exc.detail), "body"),
+                                      status_code=exc.status_code)(scope, receive, send)
+        try:
+            for c in reversed(codings):
+                body = _inflate(body, DECODERS[c], self.limit)
+        except _Oversized:
+            message = f"body larger than {self.limit} bytes once decoded"
+            return await JSONResponse(error_body(scope["path"], message, "body"), status_code=413)(scope, receive, send)
+        except zlib.error:
+            message = f"body: not valid {'/'.join(codings)} data (Content-Encoding)"
+            return await JSONResponse(error_body(scope["path"], message, "body"), status_code=400)(scope, receive, send)
+        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
+        scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+        sent = False
+
+        async def decoded():
+            nonlocal sent
+            if sent:
+                return await receive()  # after the body: the client's disconnect
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, decoded, send)
+
+
+class _Oversized(Exception):
+    pass
+
+
+async def _read_all(receive) -> bytes:
+    """The whole (still encoded) body; ``BodyLimit``, outside, bounds its size."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _inflate(data: bytes, wbits: int, limit: int) -> bytes:
+    inflater = zlib.decompressobj(wbits)
+    out = inflater.decompress(data, limit + 1)
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise _Oversized
+    out += inflater.flush()
+    if len(out) > limit:
+        raise _Oversized
+    if not inflater.eof:
+        raise zlib.error("truncated")
+    return out
+
+
+def clipped_header(value: bytes) -> str:
+    """A header's value for an error message: printable, at most 64 characters."""
+    text = value.decode("latin-1").encode("unicode_escape").decode("ascii")
+    return repr(text[:64] + ("..." if len(text) > 64 else ""))
 
 
 def route_template(scope, patterns: list[tuple[re.Pattern, str]]) -> str:

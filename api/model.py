@@ -9,7 +9,7 @@ import torch
 from api.cache import RowCache
 from dense_trainer.config import ModelConfig
 from dense_trainer.model import build_served_model, freeze_for_serving
-from dlrm_core.featurize import Featurizer
+from dlrm_core.featurize import DENSE_MAX_ABS, Featurizer
 from dlrm_core.featurize_values import ValueFeaturizer
 from dlrm_core.formats import LineParser
 from dlrm_core.schema import FeatureSpec
@@ -45,7 +45,7 @@ class ServingModel:
                  cursor: str | None = None, generation: int = 0,
                  id_maps: dict[str, IdMapView] | None = None,
                  mapped: list[np.ndarray | None] | None = None,
-                 owners: dict[str, np.ndarray] | None = None) -> None:
+                 owners: dict[str, np.ndarray] | None = None, dense_max_abs: float = DENSE_MAX_ABS) -> None:
         self.meta = meta
         self.version = meta.version
         self.spec: FeatureSpec = meta.spec
@@ -73,10 +73,10 @@ class ServingModel:
         """Every table has one D: one-hot requests are pooled with a single gather."""
         if any(t.rows >= 2**40 for t in meta.spec.tables):
             raise ValueError("tables of 2^40 rows or more are not served (row keys are 40 bits)")
-        self.featurizer = Featurizer(meta.spec, with_label=False)
-        self.values = ValueFeaturizer(meta.spec)
+        self.featurizer = Featurizer(meta.spec, with_label=False, dense_max_abs=dense_max_abs)
+        self.values = ValueFeaturizer(meta.spec, dense_max_abs)
         """Featurises a few one-hot examples given as values (``dlrm_core/featurize_values.py``)."""
-        self.lines = LineParser(meta.spec) if meta.spec.columns else None
+        self.lines = LineParser(meta.spec, dense_max_abs) if meta.spec.columns else None
         """Parses lines in the model's input layout (None: the version does not record its columns)."""
         dims = self.spec.feature_dims
         self.columns = np.concatenate([[0], np.cumsum(dims)]).tolist()

@@ -189,8 +189,9 @@ def route_table(app: FastAPI) -> list[tuple[str, str]]:
     """(path template, method) of every route, the documentation's own included."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     table = [(path, method.upper()) for path, ops in doc.get("paths", {}).items() for method in ops]
-    docs = [app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url, app.redoc_url]
-    return table + [(path, "GET") for path in docs if path]
+    from api.docs import OPEN_PAGES
+
+    return table + [(path, "GET") for path in [app.openapi_url, *sorted(OPEN_PAGES)] if path]
 
 
 def install(app: FastAPI, model_name: str, secured: bool = False) -> None:

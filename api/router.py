@@ -161,14 +161,11 @@ async def healthz() -> dict:  # on the event loop itself: no thread hop, answers
 
 @router.get("/readyz", summary="Readiness: every worker has a model loaded", responses={503: ERRORS[503]},
             tags=["health"])
-def readyz(service: ServiceDep) -> dict:
-    model = service.model
-    if model is None:
-        raise NotReady("no model loaded yet")
-    ready, workers = service.metrics.workers_ready()
-    if ready < workers:
-        raise NotReady(f"{ready} of {workers} workers have a model loaded")
-    return {"status": "ready", "model_version": model.version, "workers": workers}
+async def readyz(request: Request) -> dict:  # on the loop: a cached answer (api/probes.py)
+    status, body, reason = request.app.state.probes.readiness()
+    if status != 200:
+        raise NotReady(reason)
+    return body
 
 
 @router.get("/metrics", summary="Prometheus metrics (every worker)", response_class=PlainTextResponse,

@@ -17,7 +17,7 @@ import torch
 
 from api import decode, inline
 from api.batching import Batcher
-from api.errors import InputError, ModelNotFound, TooLarge
+from api.errors import InputError, ModelNotFound, TooLarge, clipped
 from api.featurize import ModelInputs, featurize_instances, featurize_lines
 from api.lookup import all_cached, embed
 from api.metrics import ServingMetrics
@@ -80,7 +80,7 @@ class ModelService:
         owners = {name: self.store.mapped_owners(version, name) for name in dynamic} if meta.owners else None
         model = ServingModel(meta, dense, self.settings.cache_mb * 2**20, self.store.remote,
                              cursor=start.cursor, generation=start.generation, id_maps=id_maps, mapped=mapped,
-                             owners=owners)
+                             owners=owners, dense_max_abs=self.settings.dense_max_abs)
         # One request through the whole path (featurising, lookups, network) before real ones.
         empty = PositionalInstance(dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.categorical))
         self.score(model, featurize_instances(meta.spec, model.featurizer, [empty]))
@@ -106,7 +106,7 @@ class ModelService:
     # -- requests ------------------------------------------------------------------------------------
     def check_name(self, name: str) -> None:
         if name != self.settings.model_name:
-            raise ModelNotFound(f"no model named {name!r} (this server serves {self.settings.model_name!r})")
+            raise ModelNotFound(f"no model named {clipped(name)} (this server serves {self.settings.model_name!r})")
 
     def resolve(self, name: str, version: str | None = None) -> ServingModel:
         """The model a request names: ``name`` must be the served one; ``version`` None is the

@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     featurised on the loop and its model call queued for the batcher thread (dynamic batching
     on). Larger bodies and lone requests that read a remote store go to a pool thread. 0: never
     on the loop."""
+    pool_concurrency: int = Field(default=4, ge=1, le=40)
+    """Scoring requests handed to pool threads at once (large bodies, remote-store reads); the
+    others wait on the event loop, holding no thread. Each busy thread contends for the GIL:
+    with 40 at once, a health probe waited over 100 ms for the loop's turn; with 4 the loop
+    gets the GIL within a switch interval or two, and two cores stay as busy
+    (bench/results/probes.md)."""
     max_body_bytes: int = Field(default=16 << 20, ge=1024)
     """Largest request body; larger bodies get 413."""
     max_pinned_versions: int = Field(default=2, ge=0)
@@ -64,9 +70,26 @@ class Settings(BaseSettings):
     """Retry-After of 503 answers while the store is unavailable."""
     api_key: SecretStr | None = None
     """Bearer key(s) required on every route but the health probes; several separated by commas
-    (rotation). Unset, with no api_key_file: no authentication."""
+    (rotation), each at least 16 characters. Set but holding no key (empty, only commas) is an
+    error, never "no authentication"."""
     api_key_file: Path | None = None
     """File of bearer keys, one per line (# comments), re-read when it changes."""
+    no_auth: bool = False
+    """Serve without authentication, explicitly (a warning at start). Without it and without
+    keys, ``dlrm serve`` binds only to a loopback address."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A request's line and headers must arrive within this long of its first byte (or of the
+    connection), else 408 and the connection closes (slowloris; ``api/http_protocol.py``)."""
+    body_idle_s: float = Field(default=30.0, gt=0)
+    """Longest pause between two chunks of a request's body before the connection closes."""
+    max_header_bytes: int = Field(default=65536, ge=1024)
+    """Largest request line and headers together; more get 431 and the connection closes."""
+    keep_alive_s: int = Field(default=5, ge=1)
+    """An idle kept-alive connection closes after this many seconds (uvicorn's
+    ``timeout_keep_alive``)."""
+    dense_max_abs: float = Field(default=3.4028234663852886e38, gt=0)
+    """Largest magnitude of a dense value (default: the finite float32 range, which the model
+    computes in); larger values are a 422 naming the field, in every protocol."""
     threads: int = Field(default=1, ge=1)
     """Intra-op threads of the dense model per process (1 serves small batches fastest)."""
     gil_switch_interval_us: int = Field(default=1000, ge=100, le=100_000)
@@ -84,11 +107,22 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     """Log lines as text or as one JSON object per line."""
 
-    def api_keys(self) -> list[str]:
-        """The keys given directly (api_key), split at commas."""
+    def api_keys(self) -> list[str] | None:
+        """The keys given directly (api_key), split at commas; None where api_key is unset (an
+        empty list where it is set but holds none: an error for :class:`api.auth.KeyRing`)."""
         if self.api_key is None:
-            return []
+            return None
         return [k.strip() for k in self.api_key.get_secret_value().split(",") if k.strip()]
+
+    def key_ring(self):
+        """The bearer keys these settings give (:class:`api.auth.KeyRing`).
+
+        Raises:
+            ConfigError: a key source yields no key or a short one (see ``api/auth.py``).
+        """
+        from api.auth import KeyRing
+
+        return KeyRing(self.api_keys(), self.api_key_file, no_auth=self.no_auth)
 
 
 @lru_cache

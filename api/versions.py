@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from api import inline
-from api.errors import ModelNotFound, NotReady
+from api.errors import ModelNotFound, NotReady, clipped
 from api.metrics import ServingMetrics
 from api.model import ServingModel, build_dense
 from api.settings import Settings
@@ -82,11 +82,11 @@ class Versions:
 
     def _load_pinned(self, version: str) -> ServingModel:
         if not self.store.exists(version):
-            raise ModelNotFound(f"the store holds no version {version!r}", "version")
+            raise ModelNotFound(f"the store holds no version {clipped(version)}", "version")
         try:
             model = self._timed_load(version, "new")
         except VersionNotFound:
-            raise ModelNotFound(f"the store holds no version {version!r}", "version") from None
+            raise ModelNotFound(f"the store holds no version {clipped(version)}", "version") from None
         self.pinned[version] = model
         while len(self.pinned) > self.settings.max_pinned_versions:
             self.pinned.popitem(last=False)  # the least recently loaded

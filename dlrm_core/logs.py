@@ -178,13 +178,18 @@ class BufferedStreamHandler(logging.StreamHandler):
         super().close()
 
 
-def logging_config(verbose: bool = False, quiet: bool = False, json_lines: bool = False) -> dict:
+def logging_config(verbose: bool = False, quiet: bool = False, json_lines: bool = False,
+                   level: str | None = None) -> dict:
     """A ``logging.config.dictConfig`` dict: our packages at INFO (DEBUG with verbose, WARNING
-    when quiet), third-party libraries at WARNING; uvicorn takes it as its ``log_config``."""
+    when quiet; ``level`` when given, e.g. ``dlrm serve --log-level``, for every one of them, the
+    access log and uvicorn's loggers alike), third-party libraries at WARNING; uvicorn takes it as
+    its ``log_config``."""
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None else ""
     formatter = {"()": JsonFormatter} if json_lines else {"()": TextFormatter, "prefix": prefix}
-    level = "DEBUG" if verbose else "WARNING" if quiet else "INFO"
+    verbose = verbose or (level or "").lower() == "debug"
+    level = level.upper() if level else "DEBUG" if verbose else "WARNING" if quiet else "INFO"
+    uvicorn_level = level if level != "DEBUG" else "INFO"  # uvicorn's DEBUG: every connection
     return {
         "version": 1,
         "disable_existing_loggers": False,
@@ -200,14 +205,16 @@ def logging_config(verbose: bool = False, quiet: bool = False, json_lines: bool 
             **{name: {"level": level} for name in OUR_LOGGERS},
             "api.access": {"level": level, "handlers": ["access"]},  # (the root's stderr handler drops them)
             # uvicorn's own loggers go through the same handler (no handlers of their own).
-            **{name: {"level": "INFO", "handlers": [], "propagate": True}
-               for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+            **{name: {"level": max(uvicorn_level, "INFO", key=logging.getLevelName), "handlers": [],
+                      "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
         },
     }
 
 
-def setup_logging(verbose: bool = False, quiet: bool = False, json_lines: bool = False) -> None:
+def setup_logging(verbose: bool = False, quiet: bool = False, json_lines: bool = False,
+                  level: str | None = None) -> None:
     """Our packages log at INFO (DEBUG with -v, WARNING when quiet: the non-master ranks of a
-    distributed job); third-party libraries only warnings (fbgemm logs every TBE's full argument
-    list at INFO on the root logger). Ranks prefix their lines with ``[rank N]``."""
-    logging.config.dictConfig(logging_config(verbose, quiet, json_lines))
+    distributed job; ``level`` when given); third-party libraries only warnings (fbgemm logs every
+    TBE's full argument list at INFO on the root logger). Ranks prefix their lines with
+    ``[rank N]``."""
+    logging.config.dictConfig(logging_config(verbose, quiet, json_lines, level))

@@ -163,12 +163,12 @@ def test_health_readiness_metrics_docs(tmp_path, trained_criteo):
 
 def test_api_key(file_store_url, tmp_path):
     key_file = tmp_path / "key"
-    key_file.write_text("k3y-123\n")
+    key_file.write_text("k3y-0123456789abc\n")
     with client_for(file_store_url, api_key_file=key_file) as client:
         assert client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}).status_code == 401
         r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
-        r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"Authorization": "Bearer k3y-123"})
+        r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"Authorization": "Bearer k3y-0123456789abc"})
         assert r.status_code == 200
         assert client.get("/healthz").status_code == 200
 

@@ -16,7 +16,7 @@ from dlrm_core.logs import REQUEST_ID
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import open_store
 
-KEY = "k-fast-1"
+KEY = "k-fast-1-0123456789"
 
 
 @pytest.fixture(scope="module")

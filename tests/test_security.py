@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.auth import OPEN_PATHS
+from api.docs import OPEN_PAGES
 from api.settings import Settings
 from dense_trainer.distributed import free_port
 from dlrm_cli import main as dlrm
@@ -28,6 +29,7 @@ from embedding_server.stores import StoreUnavailable, open_store
 from .conftest import REPO
 from .redis_server import RedisServer, make_certificates
 
+K1, K2 = "k1-0123456789abcdef", "k2-0123456789abcdef"
 GOOD = {"dense": [1] * 13, "sparse": ["68fd1e64"] * 26}
 
 
@@ -43,25 +45,27 @@ def concrete(path: str) -> str:
 
 
 def test_every_route_but_the_probes_needs_a_key(store_url):
-    app = create_app(Settings(store=store_url, api_key="k1, k2"))
+    """Every route but the probes and the documentation's static shells (which hold nothing of
+    the model: /openapi.json, which does, needs a key)."""
+    app = create_app(Settings(store=store_url, api_key=f"{K1}, {K2}"))
     routes = app.state.routes
     assert {"/metrics", "/docs", "/openapi.json", "/v2/models/{name}/infer"} <= {p for p, _ in routes}
     with TestClient(app) as client:
         for path, method in routes:
             r = client.request(method, concrete(path), content=b"{not json")
-            if path in OPEN_PATHS:
+            if path in OPEN_PATHS or path in OPEN_PAGES:
                 assert r.status_code != 401, path
             else:
                 assert r.status_code == 401, (method, path, r.status_code)
                 assert r.headers["WWW-Authenticate"] == "Bearer"
                 assert r.json()["error"].endswith("bearer API key")
-        for key in ("k1", "k2"):  # both keys of a rotation are valid
+        for key in (K1, K2):  # both keys of a rotation are valid
             r = client.get("/metrics", headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200
-        assert client.get("/docs", headers={"Authorization": "Bearer k2"}).status_code == 200
-        r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"Authorization": "Bearer k3"})
+        assert client.get("/docs", headers={"Authorization": f"Bearer {K2}"}).status_code == 200
+        r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"Authorization": "Bearer k3-not-a-valid-key-at-all"})
         assert r.status_code == 401 and r.json()["field"] == "Authorization"
-        r = client.post("/v2/models/dlrm/infer", json={}, headers={"Authorization": "Basic k1"})
+        r = client.post("/v2/models/dlrm/infer", json={}, headers={"Authorization": f"Basic {K1}"})
         assert r.status_code == 401 and set(r.json()) == {"error"}  # the V2 error shape
 
 
@@ -72,7 +76,7 @@ def test_the_key_is_checked_before_the_body_is_read(store_url):
         read.append(1)
         yield json.dumps({"instances": [GOOD]}).encode()
 
-    with TestClient(create_app(Settings(store=store_url, api_key="k"))) as client:
+    with TestClient(create_app(Settings(store=store_url, api_key=K1))) as client:
         r = client.post("/v1/models/dlrm:predict", content=body(), headers={"content-type": "application/json"})
         assert r.status_code == 401
         assert read == []  # never pulled
@@ -82,31 +86,37 @@ def test_the_key_is_checked_before_the_body_is_read(store_url):
 
 def test_key_file_rotation_without_restart(store_url, tmp_path):
     keys = tmp_path / "keys"
-    keys.write_text("# current keys\nold-key\n")
+    keys.write_text("# current keys\nold-key-0123456789ab\n")
     with TestClient(create_app(Settings(store=store_url, api_key_file=keys))) as client:
         def status(key):
             return client.get("/v1/models/dlrm", headers={"Authorization": f"Bearer {key}"}).status_code
 
-        assert status("old-key") == 200 and status("new-key") == 401
-        keys.write_text("old-key\nnew-key\n")  # step 1: both
+        assert status("old-key-0123456789ab") == 200 and status("new-key-0123456789ab") == 401
+        keys.write_text("old-key-0123456789ab\nnew-key-0123456789ab\n")  # step 1: both
         deadline = time.time() + 5
-        while status("new-key") != 200 and time.time() < deadline:
+        while status("new-key-0123456789ab") != 200 and time.time() < deadline:
             time.sleep(0.2)
-        assert status("new-key") == 200 and status("old-key") == 200
-        keys.write_text("new-key\n")  # step 2: the old one is gone
-        while status("old-key") != 401 and time.time() < deadline + 5:
+        assert status("new-key-0123456789ab") == 200 and status("old-key-0123456789ab") == 200
+        keys.write_text("new-key-0123456789ab\n")  # step 2: the old one is gone
+        while status("old-key-0123456789ab") != 401 and time.time() < deadline + 5:
             time.sleep(0.2)
-        assert status("old-key") == 401 and status("new-key") == 200
+        assert status("old-key-0123456789ab") == 401 and status("new-key-0123456789ab") == 200
         keys.write_text("")  # an emptied file keeps the keys it had (logged), never locks everyone out
         time.sleep(1.2)
-        assert status("new-key") == 200
+        assert status("new-key-0123456789ab") == 200
+        keys.write_text("short\n")  # and so does one with a short key
+        time.sleep(1.2)
+        assert status("new-key-0123456789ab") == 200 and status("short") == 401
+    with pytest.raises(ConfigError, match="at least 16 are needed"):  # at start both are refused
+        create_app(Settings(store=store_url, api_key_file=keys))
+    keys.write_text("")
     with pytest.raises(ConfigError, match="no key"):
         create_app(Settings(store=store_url, api_key_file=keys))
 
 
 def test_openapi_declares_the_bearer_scheme(store_url):
-    with TestClient(create_app(Settings(store=store_url, api_key="k"))) as client:
-        doc = client.get("/openapi.json", headers={"Authorization": "Bearer k"}).json()
+    with TestClient(create_app(Settings(store=store_url, api_key=K1))) as client:
+        doc = client.get("/openapi.json", headers={"Authorization": f"Bearer {K1}"}).json()
     assert doc["components"]["securitySchemes"]["bearerAuth"] == {
         "type": "http", "scheme": "bearer", "description": doc["components"]["securitySchemes"]["bearerAuth"]["description"]}
     assert doc["security"] == [{"bearerAuth": []}]

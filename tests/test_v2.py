@@ -238,14 +238,14 @@ def test_tritons_own_client(store_url, lines, tmp_path):
     features = [[f"I{i + 1}", "FP32", [float(r[1 + i]) if r[1 + i] else float("nan") for r in rows]] for i in range(13)]
     features += [[f"C{i + 1}", "BYTES", [r[14 + i] for r in rows]] for i in range(26)]
     (tmp_path / "rows.json").write_text(json.dumps(features))
-    (tmp_path / "keys").write_text("triton-key\n")
+    (tmp_path / "keys").write_text("triton-key-0123456789\n")
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, str(REPO / "dlrm_cli.py"), "serve", "--store", store_url, "--port", str(port),
                              "--api-key-file", str(tmp_path / "keys")], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        base, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer triton-key"}
+        base, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer triton-key-0123456789"}
         deadline = time.time() + 120
         while True:
             try:
@@ -260,7 +260,7 @@ def test_tritons_own_client(store_url, lines, tmp_path):
         only_c = [{k: v for k, v in to_instance(x, named=True).items() if k.startswith("C")} for x in lines[:16]]
         cats = httpx.post(base + "/v1/models/dlrm:predict", headers=auth, timeout=10,
                           json={"instances": only_c}).json()["predictions"]
-        r = subprocess.run([sys.executable, "-c", TRITON_CLIENT, f"127.0.0.1:{port}", "triton-key",
+        r = subprocess.run([sys.executable, "-c", TRITON_CLIENT, f"127.0.0.1:{port}", "triton-key-0123456789",
                             str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-3000:]
         got = json.loads(r.stdout)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from api.schemas import MAX_FIELDS
 
@@ -22,7 +22,23 @@ OUTPUT = "predictions"
 """The one output tensor: click probabilities, FP32 [N]."""
 
 Name = Annotated[str, StringConstraints(max_length=64)]
-Parameters = Annotated[dict[Name, Any], Field(max_length=32)]
+KNOWN_PARAMETERS = {"binary_data_size": int, "binary_data": bool, "binary_data_output": bool}
+"""The parameters this server acts on and the JSON type each must have (no coercion: the string
+``"false"`` is not false); others are free-form, as the protocol allows."""
+
+
+def _strict(parameters: dict[str, Any]) -> dict[str, Any]:
+    for key, kind in KNOWN_PARAMETERS.items():
+        if key in parameters:
+            value = parameters[key]
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false (a JSON boolean)")
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{key} must be a non-negative integer")
+    return parameters
+
+
+Parameters = Annotated[dict[Name, Any], Field(max_length=32), AfterValidator(_strict)]
 
 
 class InferInput(BaseModel):

@@ -59,12 +59,10 @@ async def live() -> dict:  # on the event loop: answers while requests are score
 
 
 @router.get("/health/ready", summary="Readiness: every worker has a model (no key needed)", tags=["health"])
-def ready(service: ServiceDep) -> dict:
-    if service.model is None:
-        raise NotReady("no model loaded yet")
-    loaded, workers = service.metrics.workers_ready()
-    if loaded < workers:
-        raise NotReady(f"{loaded} of {workers} workers have a model loaded")
+async def ready(request: Request) -> dict:  # on the loop: a cached answer (api/probes.py)
+    status, _, reason = request.app.state.probes.readiness()
+    if status != 200:
+        raise NotReady(reason)
     return {"ready": True}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 
-from api.errors import InputError
+from api.errors import InputError, clipped
 from api.featurize import ModelInputs, columns_of, featurize_columns
 from api.model import ServingModel
 from api.v2.protocol import InferInput, TensorMetadata
@@ -18,6 +18,9 @@ from dlrm_core.schema import FeatureSpec
 
 DENSE_TYPES = {"FP16", "FP32", "FP64", "INT32", "INT64"}
 CATEGORICAL_TYPES = {"BYTES", "INT32", "INT64", "UINT32", "UINT64"}
+FLOAT_MAX = {"FP16": 65504.0, "FP32": 3.4028234663852886e38, "FP64": 1.7976931348623157e308}
+"""Largest finite value of each float datatype: a JSON value beyond its declared type is refused,
+as the binary form cannot carry it."""
 INT_RANGE = {"INT32": (-(2**31), 2**31 - 1), "INT64": (-(2**63), 2**63 - 1), "UINT32": (0, 2**32 - 1),
              "UINT64": (0, 2**64 - 1)}
 
@@ -54,6 +57,8 @@ def _dense_value(value, datatype: str, field: str):
             raise InputError(field, f"{value} is out of the {datatype} range")
     elif not math.isfinite(value):
         raise InputError(field, "not a finite number")
+    elif abs(value) > FLOAT_MAX[datatype]:
+        raise InputError(field, f"{value:g} is out of the {datatype} range")
     return value
 
 
@@ -92,7 +97,7 @@ def _check_input(k: int, tensor: InferInput, kind: str, values: list | None) -> 
 def _unknown(name: str, spec: FeatureSpec) -> str:
     names = [*spec.dense_names, *spec.sparse_names]
     close = difflib.get_close_matches(name, names, n=1)
-    return f"unknown feature {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+    return f"unknown feature {clipped(name)}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
 def tensors_to_inputs(model: ServingModel, inputs: list[InferInput], values: list[list | None],
