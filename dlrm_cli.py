@@ -42,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def exit_status(code: int) -> int:
     """The status of a failed command (ending the process at once while a checkpoint writer is
-    busy: see ``embedding_server.ckpt_writer.exit_status``)."""
-    if "embedding_server.ckpt_writer" not in sys.modules:
+    busy: see ``embedding_server.checkpoint.writer.exit_status``)."""
+    if "embedding_server.checkpoint.writer" not in sys.modules:
         return code
-    from embedding_server.ckpt_writer import exit_status as writer_exit_status
+    from embedding_server.checkpoint.writer import exit_status as writer_exit_status
 
     return writer_exit_status(code)
 

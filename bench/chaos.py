@@ -54,13 +54,13 @@ sys.path.insert(0, str(REPO))
 
 from dense_trainer.data.synth import synthesize  # noqa: E402
 from dense_trainer.metrics import roc_auc  # noqa: E402
-from embedding_server.checkpoint import (  # noqa: E402
+from embedding_server.checkpoint.files import (  # noqa: E402
     checkpoint_chain,
     latest_checkpoint,
     load_file,
     read_manifest,
 )
-from embedding_server.watchdog import connect, read_status  # noqa: E402
+from embedding_server.runtime.watchdog import connect, read_status  # noqa: E402
 
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
 ROLES = ["trainer", "master trainer", "embedding server", "API worker", "Redis", "host link"]

@@ -79,11 +79,11 @@ def batches(n: int):
 def ours_rank(rank: int, servers: int, trainers: int, exchange: str, pipeline: str, port: int, steps: int,
               warmup: int, out: str):
     from dense_trainer.train import Trainer
-    from embedding_server.cluster import Roles, join
-    from embedding_server.dist_client import DistributedEmbeddingClient
+    from embedding_server.client.distributed import DistributedEmbeddingClient
     from embedding_server.planner import plan_sharding
-    from embedding_server.server import EmbeddingServer
-    from embedding_server.transport import open_transport
+    from embedding_server.runtime.cluster import Roles, join
+    from embedding_server.runtime.server import EmbeddingServer
+    from embedding_server.runtime.transport import open_transport
     from embedding_server.wire import ids_dtype
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(servers + trainers))

@@ -172,11 +172,11 @@ def dist_rank(rank: int, name: str, args, port: int, out: str) -> None:
     """One rank of E2,T2: ranks 0-1 trainers, 2-3 embedding servers."""
     from dense_trainer.distributed import rank_threads
     from dense_trainer.train import Trainer
-    from embedding_server.cluster import Roles, join
-    from embedding_server.dist_client import DistributedEmbeddingClient
+    from embedding_server.client.distributed import DistributedEmbeddingClient
     from embedding_server.planner import plan_sharding, wire_id_bound
-    from embedding_server.server import EmbeddingServer
-    from embedding_server.transport import open_transport
+    from embedding_server.runtime.cluster import Roles, join
+    from embedding_server.runtime.server import EmbeddingServer
+    from embedding_server.runtime.transport import open_transport
     from embedding_server.wire import ids_dtype
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="4")

@@ -33,7 +33,7 @@ import distributed_throughput as dt  # noqa: E402
 
 
 def describe() -> dict:
-    from embedding_server.tbe import FBGEMM_IMPORT_ERROR
+    from embedding_server.kernels.tbe import FBGEMM_IMPORT_ERROR
 
     info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(), "python": sys.version.split()[0],
             "fbgemm": "available" if FBGEMM_IMPORT_ERROR is None else f"absent ({FBGEMM_IMPORT_ERROR}): PyTorch kernel"}
@@ -84,11 +84,11 @@ def disaggregated_rank(rank: int, servers: int, pipeline: str, rows: int, port: 
 
     from dense_trainer.distributed import rank_threads
     from dense_trainer.train import Trainer
-    from embedding_server.cluster import Roles, join
-    from embedding_server.dist_client import DistributedEmbeddingClient
+    from embedding_server.client.distributed import DistributedEmbeddingClient
     from embedding_server.planner import plan_sharding
-    from embedding_server.server import EmbeddingServer
-    from embedding_server.transport import open_transport
+    from embedding_server.runtime.cluster import Roles, join
+    from embedding_server.runtime.server import EmbeddingServer
+    from embedding_server.runtime.transport import open_transport
     from embedding_server.wire import ids_dtype
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(1 + servers))

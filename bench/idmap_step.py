@@ -35,7 +35,7 @@ from dynamic_ids import BATCH, bench_config, make_batches  # noqa: E402
 
 def shard_for(rows: int, policy: str):
     """The in-process shard of dynamic_ids.py's one-process system ``dynamic, <policy>``."""
-    from embedding_server.shard import InProcessEmbeddingClient
+    from embedding_server.client.local import InProcessEmbeddingClient
 
     cfg = bench_config(rows, {"ids": "dynamic", "evict": policy})
     spec = cfg.feature_spec()

@@ -81,7 +81,7 @@ def _dense_step(b: int, all_reduce: bool = False):
     import distributed_throughput as dt
 
     from dense_trainer.model import build_dense_model
-    from embedding_server.optimizers import DenseOptimizerConfig, build_dense_optimizer
+    from embedding_server.kernels.optimizers import DenseOptimizerConfig, build_dense_optimizer
 
     cfg = dt.bench_config(0, 1)
     (dense_np, _, y_np), = tt.make_batches(dt.ROWS, "uniform", 1)
@@ -146,8 +146,8 @@ def measure() -> Costs:
 
     from dlrm_core.batch import SparseFeatures
     from dlrm_core.schema import criteo_spec
+    from embedding_server.kernels.optimizers import SparseOptimizerConfig
     from embedding_server.local_table import LocalTable
-    from embedding_server.optimizers import SparseOptimizerConfig
     from embedding_server.shard import EmbeddingShard
 
     b = dt.GLOBAL_BATCH
@@ -179,7 +179,7 @@ def measure() -> Costs:
 
 def _correction_work(shard, ids: torch.Tensor, nxt: torch.Tensor):
     """A corrected lookup's extra work for batch ``nxt`` after batch ``ids`` (ids [F, B])."""
-    from embedding_server.correction import Corrector
+    from embedding_server.runtime.correction import Corrector
 
     class Discard:  # the messages' sending is the link's cost, counted there
         def send_floats(self, peers, tensors, tag):
@@ -200,7 +200,7 @@ def _correction_work(shard, ids: torch.Tensor, nxt: torch.Tensor):
 def _client_work(sparse, spec):
     """What a trainer does per step around the exchange, one server: route and pack the ids,
     assemble the received pooled vectors, split the gradient."""
-    from embedding_server.dist_client import FlatStage
+    from embedding_server.client.distributed import FlatStage
     from embedding_server.planner import plan_sharding
     from embedding_server.sharding import SCHEMES
     from embedding_server.wire import pack_ids

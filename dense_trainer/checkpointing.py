@@ -1,10 +1,10 @@
 """The trainer's checkpoints: what a run needs besides tensors, when to cut, and restoring it all.
 
 A checkpoint is written by every process that holds state, each from a background thread
-(``embedding_server/ckpt_writer.py``), while training goes on: the tables' trained rows by
+(``embedding_server/checkpoint/writer.py``), while training goes on: the tables' trained rows by
 whoever holds them (this process, or every embedding server), the dense model, its optimizer and
 :class:`TrainState` by the master trainer, whose finaliser makes the checkpoint current once
-every writer has recorded its part (``embedding_server/ckpt_finalizer.py``).
+every writer has recorded its part (``embedding_server/checkpoint/finalizer.py``).
 
 When (:class:`TrainerCheckpoints`): a *full* checkpoint every ``train.checkpoint_every_steps``
 steps or ``train.checkpoint_every_s`` seconds; between them, a *delta* (the rows changed since
@@ -38,13 +38,13 @@ from dense_trainer.data.elastic import Consumed
 from dlrm_core.batch import Position
 from dlrm_core.errors import CheckpointError
 from dlrm_core.schema import FeatureSpec
-from embedding_server.checkpoint import load_file, partial_dir, read_manifest, step_name
-from embedding_server.ckpt_finalizer import Finalizer, PendingCut
-from embedding_server.ckpt_writer import CheckpointWriter
-from embedding_server.client import EmbeddingClient
+from embedding_server.checkpoint.files import load_file, partial_dir, read_manifest, step_name
+from embedding_server.checkpoint.finalizer import Finalizer, PendingCut
+from embedding_server.checkpoint.snapshot import CutRequest
+from embedding_server.checkpoint.writer import CheckpointWriter
+from embedding_server.client.base import EmbeddingClient
 from embedding_server.planner import piece_bytes
-from embedding_server.table_snapshot import CutRequest
-from embedding_server.watchdog import io_bound_s
+from embedding_server.runtime.watchdog import io_bound_s
 
 log = logging.getLogger(__name__)
 

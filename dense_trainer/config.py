@@ -19,7 +19,7 @@ from dlrm_core.config import Section, flag, parse_override
 from dlrm_core.errors import ConfigError
 from dlrm_core.schema import Column, Feature, FeatureSpec, FormatName, build_spec, criteo_features
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
-from embedding_server.optimizer_config import DenseOptimizerConfig
+from embedding_server.kernels.optimizer_config import DenseOptimizerConfig
 
 
 class DataConfig(Section):

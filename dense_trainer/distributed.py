@@ -10,7 +10,7 @@ factors measured on the first training file) and broadcasts the plan. Trainers r
 ``Trainer`` with a ``DistributedEmbeddingClient``; servers run ``EmbeddingServer.serve``.
 
 Faults: the local launcher hosts the rendezvous store and watches its children: when one dies,
-or stops beating for ``dist.timeout_s`` (SIGSTOP, a hang: ``embedding_server/watchdog.py``), it
+or stops beating for ``dist.timeout_s`` (SIGSTOP, a hang: ``embedding_server/runtime/watchdog.py``), it
 stops the others at once, names the lost rank and records it in ``OUT/last-fault.json``. Under
 torchrun (or bare ``dlrm worker`` processes) every rank watches every other's beat and gives up
 within ``dist.timeout_s`` (plus a beat) of losing one, naming it; a failed collective ends it
@@ -38,10 +38,9 @@ from dense_trainer.data.loader import BatchLoader
 from dense_trainer.rank_context import adopt_launcher_state, launcher_state, rank_context
 from dlrm_core.errors import ConfigError, DlrmError
 from dlrm_core.logs import setup_logging
-from embedding_server.checkpoint import latest_checkpoint
-from embedding_server.ckpt_writer import CheckpointWriter, exit_status
-from embedding_server.cluster import Roles, join, open_slow_group
-from embedding_server.dist_client import DistributedEmbeddingClient
+from embedding_server.checkpoint.files import latest_checkpoint
+from embedding_server.checkpoint.writer import CheckpointWriter, exit_status
+from embedding_server.client.distributed import DistributedEmbeddingClient
 from embedding_server.planner import (
     ShardingPlan,
     parse_bytes,
@@ -50,12 +49,13 @@ from embedding_server.planner import (
     table_factors,
     wire_id_bound,
 )
-from embedding_server.server import EmbeddingServer
+from embedding_server.runtime.cluster import Roles, join, open_slow_group
+from embedding_server.runtime.server import EmbeddingServer
+from embedding_server.runtime.transport import exchange_chunks, open_transport
+from embedding_server.runtime.watchdog import SUPERVISED_ENV, JobMonitor, PeerLost, io_bound_s
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.plan import TowerPlan
 from embedding_server.towers.stage import TowerClientStage, TowerServerStage
-from embedding_server.transport import exchange_chunks, open_transport
-from embedding_server.watchdog import SUPERVISED_ENV, JobMonitor, PeerLost, io_bound_s
 from embedding_server.wire import ids_dtype
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Live updates while ``dlrm train`` runs (see ``embedding_server/live.py`` for the mechanics).
+"""Live updates while ``dlrm train`` runs (see ``embedding_server/stores/live.py`` for the mechanics).
 
 Single process: at start a full version (``live-<time>-step<N>``) is published from the
 in-memory tables (with the id maps of dynamic tables); the trainer then pushes the rows its
@@ -16,9 +16,9 @@ import logging
 import time
 import uuid
 
-from embedding_server.live import LivePusher
 from embedding_server.publish import CHUNK_ROWS, publish_checkpoint
 from embedding_server.stores import ServingStore
+from embedding_server.stores.live import LivePusher
 from embedding_server.wire import ModelVersion
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 
-RANK_PRELOAD = ["dense_trainer.distributed", "dense_trainer.train", "embedding_server.server"]
+RANK_PRELOAD = ["dense_trainer.distributed", "dense_trainer.train", "embedding_server.runtime.server"]
 """What the fork server imports before forking the ranks."""
 
 

@@ -46,12 +46,12 @@ from dlrm_core.batch import Batch, Position, SparseFeatures
 from dlrm_core.errors import ConfigError, DataError
 from dlrm_core.formats import InputReader, check_files
 from dlrm_core.schema import FeatureSpec
-from embedding_server.checkpoint import latest_checkpoint
-from embedding_server.client import EmbeddingClient
-from embedding_server.cluster import Cluster
+from embedding_server.checkpoint.files import latest_checkpoint
+from embedding_server.client.base import EmbeddingClient
+from embedding_server.client.local import InProcessEmbeddingClient
 from embedding_server.idmap.ahead import overlaps
-from embedding_server.optimizers import build_dense_optimizer
-from embedding_server.shard import InProcessEmbeddingClient
+from embedding_server.kernels.optimizers import build_dense_optimizer
+from embedding_server.runtime.cluster import Cluster
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from dlrm_core.config import Section, flag
 from dlrm_core.schema import EvictPolicy, IdMode
-from embedding_server.optimizer_config import SparseOptimizerConfig
+from embedding_server.kernels.optimizer_config import SparseOptimizerConfig
 
 
 class TableOverride(Section):

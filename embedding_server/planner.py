@@ -24,8 +24,8 @@ from pydantic import BaseModel
 from dlrm_core.errors import ConfigError
 from dlrm_core.schema import FeatureSpec, TableSpec
 from embedding_server.idmap.pieces import PieceLayout, row_blocks
+from embedding_server.kernels.optimizers import SparseOptimizerKind, state_bytes_per_row
 from embedding_server.local_table import LocalTable
-from embedding_server.optimizers import SparseOptimizerKind, state_bytes_per_row
 
 ShardingKind = Literal["table_wise", "row_wise", "column_wise"]
 Strategy = Literal["auto", "table_wise", "row_wise", "column_wise"]

@@ -20,10 +20,10 @@ import torch
 
 from dlrm_core.errors import CheckpointError
 from dlrm_core.schema import FeatureSpec
-from embedding_server.checkpoint import latest_checkpoint, load_file, read_manifest
+from embedding_server.checkpoint.files import latest_checkpoint, load_file, read_manifest
+from embedding_server.checkpoint.tables import CheckpointTables
 from embedding_server.local_table import LocalTable, init_rows
 from embedding_server.stores.base import ServingStore
-from embedding_server.table_checkpoint import CheckpointTables
 from embedding_server.towers.plan import TowerPlan
 from embedding_server.wire import ModelVersion, RowDtype
 

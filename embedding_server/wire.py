@@ -155,7 +155,7 @@ def decode_ids(blob: bytes) -> np.ndarray:
 #   pooled   server -> trainer, float (the exchange dtype): [B_r, sum of the server's slot dims]
 #   grads    trainer -> server, the same layout (training lookups only)
 #
-# CHECKPOINT's message (the master's; ``table_snapshot.CutRequest``): argument = the step, payload
+# CHECKPOINT's message (the master's; ``checkpoint.snapshot.CutRequest``): argument = the step, payload
 # = [base step + 1 (0: a full checkpoint), 0: written in the background | 1: everyone waits until
 # it is current | 3: only wait for the checkpoint already taken at this step].
 

@@ -8,7 +8,9 @@
    ``dlrm_core``; ``dense_trainer`` those two; ``api`` those two and, sideways, only the network
    definitions (``dense_trainer.model``, ``dense_trainer.config``). ``dlrm_cli`` may import all.
 4. No import cycle between our modules (any import statement counts).
-5. Importing the serving app loads no training kernel: ``import api.app`` leaves ``fbgemm_gpu``
+5. Inside ``embedding_server`` imports flow down its layers (``ES_LAYERS``): a wing or top-level
+   module imports only those of lower layers, never one beside or above it.
+6. Importing the serving app loads no training kernel: ``import api.app`` leaves ``fbgemm_gpu``
    out of ``sys.modules``.
 
 Usage: python scripts/check_layout.py [ROOT]
@@ -33,6 +35,19 @@ ALLOWED = {
 }
 SIDEWAYS = {"api": ("dense_trainer.model", "dense_trainer.config")}
 """The serving API builds the trainer's network (and reads its model config), nothing else."""
+ES_LAYERS = (
+    ("local_table", "wire"),  # table pieces and their rows; what crosses a process boundary
+    ("idmap",),  # dynamic ids -> rows
+    ("kernels", "sharding"),  # fused kernels and optimizers; placement schemes
+    ("checkpoint", "config"),  # table checkpoints; the typed config sections
+    ("stores", "planner", "shard"),  # serving stores and live updates; placement; a process's tables
+    ("runtime",),  # the server loop, transport, exchange, watchdog
+    ("towers",),  # DMT towers (plug into the runtime and the client)
+    ("client", "publish"),  # what trainers use to reach the tables; checkpoint -> serving version
+    ("cli",),  # `dlrm publish`, `dlrm store`
+)
+"""The parts of ``embedding_server`` (wings and top-level modules), bottom up."""
+ES_LAYER = {unit: i for i, layer in enumerate(ES_LAYERS) for unit in layer}
 EXCLUDED_DIRS = ("tests", "bench", "scripts", ".venv", ".venv-bench", "build", ".git", ".gl", ".whl")
 
 
@@ -99,6 +114,22 @@ def check_direction(module: str, imported: str, where: str) -> str | None:
         f"{' and ' + ', '.join(SIDEWAYS[mine]) if mine in SIDEWAYS else ''})"
 
 
+def check_layers(module: str, imported: str, where: str) -> str | None:
+    """Rule 5: within ``embedding_server``, a part imports only parts of lower layers."""
+    mine, theirs = module.split("."), imported.split(".")
+    if mine[0] != "embedding_server" or theirs[0] != "embedding_server" or len(mine) < 2 or len(theirs) < 2:
+        return None
+    a, b = mine[1], theirs[1]
+    if a == b or b not in ES_LAYER:
+        return None
+    if a not in ES_LAYER:
+        return f"{where}: embedding_server.{a} is in no layer of ES_LAYERS (scripts/check_layout.py)"
+    if ES_LAYER[b] < ES_LAYER[a]:
+        return None
+    below = sorted(u for u, i in ES_LAYER.items() if i < ES_LAYER[a])
+    return f"{where}: {module} imports {imported} (embedding_server.{a} may import only {', '.join(below) or 'none'})"
+
+
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan), each sorted."""
     index: dict[str, int] = {}
@@ -158,9 +189,9 @@ def check(root: Path, import_check: bool = True) -> list[str]:
         errors += check_sizes(root, path, tree, len(text.splitlines()))
         for imported, line in imports_of(tree, module, path.name == "__init__.py"):
             where = f"{path.relative_to(root)}:{line}"
-            problem = check_direction(module, imported, where)
-            if problem:
-                errors.append(problem)
+            for problem in (check_direction(module, imported, where), check_layers(module, imported, where)):
+                if problem:
+                    errors.append(problem)
             if imported in modules and imported != module:
                 graph[module].add(imported)
     for cycle in find_cycles(graph):

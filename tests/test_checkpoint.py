@@ -5,9 +5,9 @@ import pickle
 import pytest
 import torch
 
-import embedding_server.checkpoint as ckpt
+import embedding_server.checkpoint.files as ckpt
 from dlrm_core.errors import CheckpointError
-from embedding_server.checkpoint import (
+from embedding_server.checkpoint.files import (
     atomic_write_bytes,
     latest_checkpoint,
     load_file,
@@ -51,7 +51,7 @@ def test_pickled_code_is_never_executed(tmp_path):
     path = write_checkpoint(tmp_path, 1, {"a.pt": {"w": torch.zeros(1)}}, {})
     # Replace the file with a malicious pickle and fix up the manifest's checksum.
     (path / "a.pt").write_bytes(pickle.dumps(Evil()))
-    from embedding_server.checkpoint import file_digest
+    from embedding_server.checkpoint.files import file_digest
 
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["a.pt"]["blake2b"] = file_digest(path / "a.pt")
@@ -83,7 +83,7 @@ def test_failed_write_leaves_previous_checkpoint_current(tmp_path, monkeypatch):
 
 
 def test_stale_partial_files_never_join_a_checkpoint(tmp_path):
-    from embedding_server.checkpoint import finalize_checkpoint, partial_dir, save_file
+    from embedding_server.checkpoint.files import finalize_checkpoint, partial_dir, save_file
 
     stale = partial_dir(tmp_path, 7)
     (stale / "embeddings-server-2.pt").write_bytes(b"left by a crashed run with 3 servers")

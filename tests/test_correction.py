@@ -1,4 +1,4 @@
-"""Corrected early lookups (``embedding_server/correction.py``): a lookup run before an update,
+"""Corrected early lookups (``embedding_server/runtime/correction.py``): a lookup run before an update,
 patched with the bags that update changed, equals the lookup run after it, bit for bit."""
 
 import pytest
@@ -6,7 +6,9 @@ import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
-from embedding_server.correction import (
+from embedding_server.kernels.optimizers import SparseOptimizerConfig
+from embedding_server.local_table import LocalTable
+from embedding_server.runtime.correction import (
     RowMarks,
     applies,
     changed_bags,
@@ -15,8 +17,6 @@ from embedding_server.correction import (
     patch,
     relookup,
 )
-from embedding_server.local_table import LocalTable
-from embedding_server.optimizers import SparseOptimizerConfig
 from embedding_server.shard import EmbeddingShard
 
 ROWS, DIMS = [40, 500, 6], [8, 16, 4]

@@ -7,11 +7,11 @@ import torch
 
 from dense_trainer.distributed import launch_local
 from dense_trainer.train import Trainer
-from embedding_server.checkpoint import latest_checkpoint
-from embedding_server.optimizers import SparseOptimizerConfig
+from embedding_server.checkpoint.files import latest_checkpoint
+from embedding_server.checkpoint.tables import CheckpointTables
+from embedding_server.kernels.optimizers import SparseOptimizerConfig
 from embedding_server.planner import plan_sharding
 from embedding_server.shard import EmbeddingShard
-from embedding_server.table_checkpoint import CheckpointTables
 
 from .conftest import tiny_config
 

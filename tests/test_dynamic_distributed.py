@@ -16,14 +16,14 @@ from dense_trainer.data.loader import BatchLoader
 from dense_trainer.distributed import launch_local
 from dense_trainer.train import Trainer
 from dlrm_core.errors import CheckpointError
-from embedding_server.checkpoint import latest_checkpoint
+from embedding_server.checkpoint.files import latest_checkpoint
+from embedding_server.checkpoint.tables import CheckpointTables
 from embedding_server.idmap.pieces import PieceLayout
-from embedding_server.optimizers import SparseOptimizerConfig
+from embedding_server.kernels.optimizers import SparseOptimizerConfig
 from embedding_server.planner import plan_sharding
 from embedding_server.publish import publish_checkpoint
 from embedding_server.shard import EmbeddingShard
 from embedding_server.stores import open_store
-from embedding_server.table_checkpoint import CheckpointTables
 
 from .conftest import tiny_config
 

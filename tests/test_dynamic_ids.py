@@ -14,8 +14,8 @@ from dlrm_core.featurize import LABEL, Featurizer
 from dlrm_core.schema import DynamicIds, TableSpec
 from embedding_server.idmap.dynamic import shared_rows_of
 from embedding_server.idmap.remap import init_for_ids
+from embedding_server.kernels.optimizers import SparseOptimizerConfig
 from embedding_server.local_table import LocalTable
-from embedding_server.optimizers import SparseOptimizerConfig
 from embedding_server.shard import EmbeddingShard
 
 from .conftest import tiny_config

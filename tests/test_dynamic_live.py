@@ -21,7 +21,7 @@ from api.settings import Settings
 from dense_trainer.data.loader import BatchLoader
 from dense_trainer.live import LivePublisher
 from dense_trainer.train import Trainer
-from embedding_server.checkpoint import latest_checkpoint
+from embedding_server.checkpoint.files import latest_checkpoint
 from embedding_server.idmap.dynamic import shared_rows_of
 from embedding_server.idmap.view import NO_OWNER, IdMapDelta, IdMapView
 from embedding_server.publish import publish_checkpoint

@@ -13,11 +13,11 @@ from api.app import create_app
 from api.settings import Settings
 from dense_trainer.data.loader import BatchLoader
 from dense_trainer.train import Trainer
-from embedding_server.checkpoint import latest_checkpoint
+from embedding_server.checkpoint.files import latest_checkpoint
+from embedding_server.checkpoint.tables import CheckpointTables
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import open_store
 from embedding_server.stores.base import VersionNotFound
-from embedding_server.table_checkpoint import CheckpointTables
 
 from .conftest import tiny_config
 

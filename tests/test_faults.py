@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from dense_trainer.train import Trainer
-from embedding_server.checkpoint import checkpoint_chain, latest_checkpoint, read_manifest
-from embedding_server.watchdog import connect, read_status
+from embedding_server.checkpoint.files import checkpoint_chain, latest_checkpoint, read_manifest
+from embedding_server.runtime.watchdog import connect, read_status
 
 from .conftest import REPO, tiny_config
 

@@ -1,4 +1,4 @@
-"""The trainer's flat stage (``embedding_server/dist_client.py``): with a table-wise plan it moves
+"""The trainer's flat stage (``embedding_server/client/distributed.py``): with a table-wise plan it moves
 pooled vectors and gradients as column blocks; the result equals the general per-feature path
 bit for bit, for one and several servers and chunks, and a whole-input message is not copied."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dlrm_core.schema import criteo_spec
-from embedding_server.dist_client import FlatStage
+from embedding_server.client.distributed import FlatStage
 from embedding_server.planner import plan_sharding
 
 DIMS = [8, 4, 16, 8, 4, 8] * 4 + [8, 4]  # 26 features, mixed dims

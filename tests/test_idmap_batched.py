@@ -11,8 +11,8 @@ from embedding_server.idmap.dynamic import DynamicIdMap, shared_rows_of
 from embedding_server.idmap.hash_table import IdHashTable, probe
 from embedding_server.idmap.remap import ShardIdMaps, init_for_ids, init_for_pieces
 from embedding_server.idmap.victims import RecentVictims
+from embedding_server.kernels.row_blocks import RowBlocks
 from embedding_server.local_table import LocalTable
-from embedding_server.row_blocks import RowBlocks
 
 HASHED_ROWS = 50
 

@@ -251,7 +251,7 @@ def test_a_rebuild_keeps_every_id_and_points_the_bucket_cache_at_it(kernel, monk
 
 
 def test_row_blocks_in_c_read_write_copy_and_fill_as_torch(kernel):
-    from embedding_server.row_blocks import RowBlocks
+    from embedding_server.kernels.row_blocks import RowBlocks
 
     out = {}
     for mode in ("torch", "native"):
@@ -276,9 +276,9 @@ def test_a_dynamic_shard_trains_the_same_rows_with_either_kernel(kernel, monkeyp
     optimizer state, the fused update on the remapped rows: the same weights and state after a
     churning stream."""
     from dlrm_core.schema import DynamicIds, TableSpec
-    from embedding_server import row_blocks
+    from embedding_server.kernels import row_blocks
+    from embedding_server.kernels.optimizers import SparseOptimizerConfig
     from embedding_server.local_table import LocalTable
-    from embedding_server.optimizers import SparseOptimizerConfig
     from embedding_server.shard import EmbeddingShard
 
     states = {}

@@ -7,10 +7,10 @@ import torch
 
 from dense_trainer.data.loader import BatchLoader
 from dense_trainer.train import Trainer
-from embedding_server.checkpoint import checkpoint_chain, latest_checkpoint, read_manifest
-from embedding_server.ckpt_writer import CheckpointWriter
-from embedding_server.table_checkpoint import CheckpointTables
-from embedding_server.table_snapshot import TouchedRows
+from embedding_server.checkpoint.files import checkpoint_chain, latest_checkpoint, read_manifest
+from embedding_server.checkpoint.snapshot import TouchedRows
+from embedding_server.checkpoint.tables import CheckpointTables
+from embedding_server.checkpoint.writer import CheckpointWriter
 
 from .conftest import tiny_config
 
@@ -96,7 +96,7 @@ def test_writer_digests_while_writing_and_reports_errors(tmp_path):
     writer.submit(tmp_path / "missing-dir", {"b.pt": {"w": torch.ones(3)}}, {"pieces": []})
     assert writer.wait_idle(30)
     record = json.loads((tmp_path / "ok" / "writer-server-0.json").read_text())
-    from embedding_server.checkpoint import file_digest
+    from embedding_server.checkpoint.files import file_digest
 
     assert record["files"]["a.pt"]["blake2b"] == file_digest(tmp_path / "ok" / "a.pt")
     assert not (tmp_path / "missing-dir").exists()  # its error could not even be recorded there
@@ -112,7 +112,7 @@ def test_default_model_checkpoint_is_sized_by_trained_rows_and_resumes_exactly(t
 
     from dense_trainer.config import load_config
     from dense_trainer.data.synth import synthesize
-    from embedding_server.checkpoint import atomic_write_bytes
+    from embedding_server.checkpoint.files import atomic_write_bytes
 
     data = tmp_path_factory.mktemp("synth50k")
     synthesize(data, train_rows=50_000, test_rows=5_000, seed=3)

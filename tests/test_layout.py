@@ -41,3 +41,19 @@ def test_the_checker_reports_each_kind_of_violation(tmp_path):
     assert "import cycle: api.a <-> api.b" in errors
     assert "function long has 91 lines" in errors
     assert "huge" not in errors
+
+
+def test_the_checker_holds_embedding_server_to_its_layers(tmp_path):
+    for rel in ("embedding_server/__init__.py", "embedding_server/kernels/__init__.py",
+                "embedding_server/runtime/__init__.py", "embedding_server/idmap/__init__.py"):
+        _write(tmp_path, rel, "")
+    _write(tmp_path, "embedding_server/kernels/tbe.py", "from embedding_server.runtime import server\n")
+    _write(tmp_path, "embedding_server/kernels/rows.py", "from embedding_server.sharding import row_wise\n")
+    _write(tmp_path, "embedding_server/runtime/server.py", "from embedding_server.idmap import remap\n")
+    _write(tmp_path, "embedding_server/newwing/x.py", "from embedding_server.idmap import remap\n")
+    errors = "\n".join(check_layout.check(tmp_path, import_check=False))
+    assert "embedding_server.kernels.tbe imports embedding_server.runtime" in errors  # upward
+    assert "embedding_server.kernels.rows imports embedding_server.sharding" in errors  # beside
+    assert "may import only idmap, local_table, wire" in errors
+    assert "embedding_server.runtime.server imports" not in errors  # downward: fine
+    assert "embedding_server.newwing is in no layer" in errors

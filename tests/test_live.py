@@ -77,8 +77,8 @@ def test_distributed_training_pushes_live_updates_from_the_servers(redis_server,
     import torch
 
     from dense_trainer.distributed import launch_local
-    from embedding_server.checkpoint import latest_checkpoint, load_file
-    from embedding_server.table_checkpoint import CheckpointTables
+    from embedding_server.checkpoint.files import latest_checkpoint, load_file
+    from embedding_server.checkpoint.tables import CheckpointTables
 
     url = f"{redis_server.url}?prefix=livedist{uuid.uuid4().hex[:6]}"
     cfg = tiny_config(live={"store": url, "push_every_s": 0.2, "dense_every_s": 0.5},

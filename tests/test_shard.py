@@ -6,10 +6,11 @@ import torch
 import embedding_server.shard as shard_mod
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
+from embedding_server.client.local import InProcessEmbeddingClient
+from embedding_server.kernels.optimizers import SparseOptimizerConfig, apply_sparse_update
+from embedding_server.kernels.tbe import FBGEMM_IMPORT_ERROR
 from embedding_server.local_table import LocalTable, init_rows
-from embedding_server.optimizers import SparseOptimizerConfig, apply_sparse_update
-from embedding_server.shard import EmbeddingShard, InProcessEmbeddingClient
-from embedding_server.tbe import FBGEMM_IMPORT_ERROR
+from embedding_server.shard import EmbeddingShard
 
 TABLES = [
     LocalTable(TableSpec(name="a", rows=50, dim=8), 0),

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dlrm_core.errors import CheckpointError
-from embedding_server.checkpoint import latest_checkpoint, load_file
+from embedding_server.checkpoint.files import latest_checkpoint, load_file
+from embedding_server.checkpoint.tables import CheckpointTables
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import StoreUnavailable, open_store
-from embedding_server.table_checkpoint import CheckpointTables
 
 from .redis_server import RedisServer
 

@@ -16,10 +16,10 @@ from dense_trainer.distributed import launch_local
 from dense_trainer.metrics import roc_auc
 from dense_trainer.train import Trainer
 from dlrm_core.errors import ConfigError
-from embedding_server.checkpoint import latest_checkpoint
+from embedding_server.checkpoint.files import latest_checkpoint
 from embedding_server.publish import publish_checkpoint
+from embedding_server.runtime.topology import Topology
 from embedding_server.stores import open_store
-from embedding_server.topology import Topology
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.module import TowerModule
 from embedding_server.towers.partition import contiguous_towers
@@ -165,7 +165,7 @@ def test_plan_towers_cli_and_train_errors(synth_small, tmp_path):
 def _exchange_worker(rank, port, result_dir):
     import torch.distributed as dist
 
-    from embedding_server.exchange import Exchange, make_groups
+    from embedding_server.runtime.exchange import Exchange, make_groups
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     topology = Topology((0, 1, 1, 0))  # host 1's local order is reversed against host 0's peers

@@ -8,7 +8,7 @@ import torch
 
 from dense_trainer.train import Trainer
 from dlrm_core.errors import CheckpointError
-from embedding_server.checkpoint import latest_checkpoint
+from embedding_server.checkpoint.files import latest_checkpoint
 
 from .conftest import tiny_config
 

@@ -16,9 +16,9 @@ from api.app import create_app
 from api.settings import Settings
 from dlrm_cli import main as dlrm
 from dlrm_core.errors import ConfigError
-from embedding_server.live import LivePusher
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import VersionNotFound, open_store
+from embedding_server.stores.live import LivePusher
 
 from .test_api import GOOD
 

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from dense_trainer.distributed import free_port
-from embedding_server.watchdog import EXIT_LOST, JobMonitor
+from embedding_server.runtime.watchdog import EXIT_LOST, JobMonitor
 
 from .conftest import REPO
 
@@ -22,7 +22,7 @@ TIMEOUT = 2.0
 
 RANK = textwrap.dedent("""
     import sys, time
-    from embedding_server.watchdog import Heartbeat, connect
+    from embedding_server.runtime.watchdog import Heartbeat, connect
     TIMEOUT = float(sys.argv[6])
     rank, world, port, watch, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5]
     hb = Heartbeat(connect("127.0.0.1", port, 1.0), rank, world, lambda r: f"rank {r} (role {r})", timeout_s=TIMEOUT,

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from dlrm_core.errors import ConfigError
-from embedding_server.checkpoint import atomic_write_bytes, fsync_dir
+from embedding_server.checkpoint.files import atomic_write_bytes, fsync_dir
 from embedding_server.idmap.view import (
     NO_OWNER,
     IdMapDelta,

@@ -8,7 +8,7 @@ sharding plan of each tower's tables on its servers.
     trainers  within a tower of m servers, trainer r's examples go through the module on
               server ``r * m // T`` of the group (data parallel inside the tower)
 
-Data flow of one training step (compare ``dist_client.py`` for the flat model):
+Data flow of one training step (compare ``client/distributed.py`` for the flat model):
 
     trainer r --ids--> every server of every tower (its pieces' ids, as in the flat model)
     server: fused lookup -> pooled [sum_r B_r, width]
@@ -25,9 +25,9 @@ import logging
 
 from dlrm_core.errors import ConfigError
 from dlrm_core.schema import FeatureSpec
-from embedding_server.optimizers import SparseOptimizerKind
+from embedding_server.kernels.optimizers import SparseOptimizerKind
 from embedding_server.planner import ShardingPlan, Strategy, plan_sharding
-from embedding_server.topology import Topology
+from embedding_server.runtime.topology import Topology
 from embedding_server.towers.plan import TowerPlan
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The tower stage: what towers change in a distributed step, on both sides of the exchange.
 
-The flat protocol (``server.py``, ``dist_client.py``) runs unchanged up to the servers' fused
+The flat protocol (``runtime/server.py``, ``client/distributed.py``) runs unchanged up to the servers' fused
 lookup; a stage decides what the pooled embeddings become before they cross to the trainers,
 and how the gradients that come back reach the tables. The flat stages live beside the
 protocol; this module is the tower variant (DMT):
@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from embedding_server.checkpoint import load_file
-from embedding_server.optimizers import DenseOptimizerConfig, build_dense_optimizer
+from embedding_server.checkpoint.files import load_file
+from embedding_server.kernels.optimizers import DenseOptimizerConfig, build_dense_optimizer
 from embedding_server.planner import ShardingPlan
+from embedding_server.runtime.transport import GRADS, POOLED
 from embedding_server.sharding import scheme_for
 from embedding_server.towers.layout import TowerLayout
 from embedding_server.towers.module import TowerModule
-from embedding_server.transport import GRADS, POOLED
 
 
 class TowerClientStage:

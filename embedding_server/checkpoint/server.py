@@ -1,7 +1,7 @@
 """An embedding server's checkpoints: snapshot between steps, write in the background.
 
 On a CHECKPOINT command (``wire.py``: the step, the base of a delta, whether everyone waits) the
-server copies the rows its pieces trained (since the base, for a delta: ``table_snapshot.py``)
+server copies the rows its pieces trained (since the base, for a delta: ``checkpoint/snapshot.py``)
 and its stage's state (a tower module), hands them to its writer thread, and answers the next
 command at once: a shard that takes longer than ``dist.timeout_s`` to write stops nothing. Its
 record in the partial directory tells the master's finaliser that its part is durable.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from embedding_server.checkpoint import partial_dir
-from embedding_server.ckpt_writer import CheckpointWriter
-from embedding_server.table_snapshot import CutRequest, snapshot_tables
+from embedding_server.checkpoint.files import partial_dir
+from embedding_server.checkpoint.snapshot import CutRequest, snapshot_tables
+from embedding_server.checkpoint.writer import CheckpointWriter
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from dlrm_core.errors import ConfigError
-from embedding_server.cluster import Cluster, Roles
-from embedding_server.exchange import Exchange
+from embedding_server.runtime.cluster import Cluster, Roles
+from embedding_server.runtime.exchange import Exchange
 from embedding_server.wire import ID_HEADER
 
 IDS, POOLED, GRADS, CORRECT = 1, 2, 3, 4

@@ -1,6 +1,6 @@
 """PyTorch kernel: the fallback where fbgemm cannot run (not installed, or Adam on CPU).
 
-Same interface, maths, state names and shapes as :mod:`embedding_server.tbe`; the optimizer is
+Same interface, maths, state names and shapes as :mod:`embedding_server.kernels.tbe`; the optimizer is
 fused into backward the same way (a custom autograd function that updates the rows in place
 and returns no gradient for the tables).
 """
@@ -12,7 +12,11 @@ import torch.nn.functional as nnf
 from torch import nn
 
 from dlrm_core.schema import TableSpec
-from embedding_server.optimizers import SparseOptimizerConfig, apply_sparse_update, state_shapes
+from embedding_server.kernels.optimizers import (
+    SparseOptimizerConfig,
+    apply_sparse_update,
+    state_shapes,
+)
 
 
 class _FusedLookup(torch.autograd.Function):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from embedding_server.optimizer_config import (  # noqa: F401 (the optimizers' settings, re-exported)
+from embedding_server.kernels.optimizer_config import (  # noqa: F401 (the optimizers' settings, re-exported)
     DenseOptimizerConfig,
     SparseOptimizerConfig,
     SparseOptimizerKind,

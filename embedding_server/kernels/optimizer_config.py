@@ -1,6 +1,6 @@
 """The optimizers' settings and state shapes: what configs, planners and checkpoints need to know
 about them, without torch (so that ``dlrm --help`` and config errors answer at once); the
-kernels are in :mod:`embedding_server.optimizers`."""
+kernels are in :mod:`embedding_server.kernels.optimizers`."""
 
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ import time
 import torch
 
 from dlrm_core.batch import SparseFeatures
+from embedding_server.runtime.transport import CORRECT, Pending
 from embedding_server.shard import EmbeddingShard
-from embedding_server.transport import CORRECT, Pending
 
 Ids = list[list[tuple[torch.Tensor, torch.Tensor]]]
 """Per trainer, per slot: (values int64 [n], lengths int64 [B_r]) (``wire.unpack_ids``)."""

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dlrm_core.errors import ConfigError
-from embedding_server.topology import Topology
+from embedding_server.runtime.topology import Topology
 
 
 class Exchange:

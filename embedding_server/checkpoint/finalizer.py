@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrm_core.errors import CheckpointError
-from embedding_server.checkpoint import finalize_checkpoint, read_record, step_name
+from embedding_server.checkpoint.files import finalize_checkpoint, read_record, step_name
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Embedding tables in checkpoints, in any sharding, read back in any other.
 
 Every process that holds tables writes, per table piece, the rows it trained
-(``table_snapshot.py``); the manifest's ``writers`` describe every piece of every writer. A
+(``checkpoint/snapshot.py``); the manifest's ``writers`` describe every piece of every writer. A
 table is read as its initial state (regenerated from the per-block seeds, the optimizer's start
 values) with the saved rows of the checkpoint's chain laid over it: the full checkpoint first,
 then each delta. :class:`CheckpointTables` indexes the pieces from the manifests alone, opens a
@@ -26,7 +26,7 @@ import torch
 
 from dlrm_core.errors import CheckpointError
 from dlrm_core.schema import TableSpec
-from embedding_server.checkpoint import checkpoint_chain, load_file, read_manifest
+from embedding_server.checkpoint.files import checkpoint_chain, load_file, read_manifest
 from embedding_server.idmap.pieces import PieceLayout
 from embedding_server.idmap.reshard import move_piece
 from embedding_server.local_table import INIT_BLOCK_ROWS, LocalTable, init_rows

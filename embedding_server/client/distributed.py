@@ -34,13 +34,13 @@ import torch.distributed as dist
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import FeatureSpec
-from embedding_server.client import EmbeddingClient
-from embedding_server.cluster import Cluster
-from embedding_server.correction import message_capacity, patch
+from embedding_server.checkpoint.snapshot import CutRequest
+from embedding_server.client.base import EmbeddingClient
 from embedding_server.planner import ShardingPlan, wire_id_bound
+from embedding_server.runtime.cluster import Cluster
+from embedding_server.runtime.correction import message_capacity, patch
+from embedding_server.runtime.transport import CORRECT, GRADS, POOLED, Pending
 from embedding_server.sharding import scheme_for
-from embedding_server.table_snapshot import CutRequest
-from embedding_server.transport import CORRECT, GRADS, POOLED, Pending
 from embedding_server.wire import EXCHANGE_DTYPES, Command, id_message, ids_dtype, pack_ids
 
 Messages = list[tuple[int, int]]

@@ -7,7 +7,7 @@ optimizer) and answers the trainers, one id message from every trainer per round
                    gradients in -> backward, which applies the optimizer to the touched rows
     LOOKUP_EVAL    the same without gradients
     CHECKPOINT     snapshot the pieces' trained rows and optimizer state; a background thread
-                   writes them into the partial checkpoint (``server_checkpoint.py``)
+                   writes them into the partial checkpoint (``checkpoint/server.py``)
     LIVE_START     start pushing changed rows to the serving store's current (live) version
     STOP           report timings and leave
 
@@ -36,17 +36,17 @@ import torch.distributed as dist
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import FeatureSpec
-from embedding_server.ckpt_writer import CheckpointWriter
-from embedding_server.cluster import Cluster
+from embedding_server.checkpoint.server import ServerCheckpoints
+from embedding_server.checkpoint.snapshot import CutRequest
+from embedding_server.checkpoint.tables import CheckpointTables
+from embedding_server.checkpoint.writer import CheckpointWriter
 from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
-from embedding_server.correction import Corrector
-from embedding_server.live import LivePusher
 from embedding_server.planner import ShardingPlan, wire_id_bound
-from embedding_server.server_checkpoint import ServerCheckpoints
+from embedding_server.runtime.cluster import Cluster
+from embedding_server.runtime.correction import Corrector
+from embedding_server.runtime.transport import GRADS, POOLED
 from embedding_server.shard import EmbeddingShard, ShardSet
-from embedding_server.table_checkpoint import CheckpointTables
-from embedding_server.table_snapshot import CutRequest
-from embedding_server.transport import GRADS, POOLED
+from embedding_server.stores.live import LivePusher
 from embedding_server.wire import EXCHANGE_DTYPES, Command, ids_dtype, parse_id_message, unpack_ids
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@
                       partial directory: its files and digests, or the error that stopped it
 
 Jobs are written in the order they were submitted. The master trainer's finaliser
-(``ckpt_finalizer.py``) waits for every writer's record of a checkpoint before making it current.
+(``checkpoint/finalizer.py``) waits for every writer's record of a checkpoint before making it current.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from embedding_server.checkpoint import save_file, write_record
+from embedding_server.checkpoint.files import save_file, write_record
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from dlrm_core.errors import ConfigError
-from embedding_server.exchange import Exchange, make_groups
-from embedding_server.topology import Topology, host_label
-from embedding_server.watchdog import SUPERVISED_ENV, Heartbeat, connect
+from embedding_server.runtime.exchange import Exchange, make_groups
+from embedding_server.runtime.topology import Topology, host_label
+from embedding_server.runtime.watchdog import SUPERVISED_ENV, Heartbeat, connect
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ A trainer asks its :class:`EmbeddingClient` for the pooled embeddings of a batch
 part of the autograd graph, and the backward pass hands the embedding gradients back to
 whoever holds the tables, which applies the fused optimizer. Backends:
 
-* :class:`~embedding_server.shard.InProcessEmbeddingClient`: the tables live in this process
+* :class:`~embedding_server.client.local.InProcessEmbeddingClient`: the tables live in this process
   (single-node training);
-* :class:`~embedding_server.dist_client.DistributedEmbeddingClient`: the tables live on
+* :class:`~embedding_server.client.distributed.DistributedEmbeddingClient`: the tables live on
   embedding servers (``torch.distributed``); the same calls.
 """
 
@@ -23,8 +23,8 @@ from dlrm_core.batch import SparseFeatures
 from dlrm_core.schema import TableSpec
 
 if TYPE_CHECKING:
+    from embedding_server.checkpoint.snapshot import CutRequest
     from embedding_server.planner import ShardingPlan
-    from embedding_server.table_snapshot import CutRequest
     from embedding_server.towers.layout import TowerLayout
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dlrm_core.schema import TableSpec
-from embedding_server.optimizers import SparseOptimizerConfig, state_shapes
+from embedding_server.kernels.optimizers import SparseOptimizerConfig, state_shapes
 
 log = logging.getLogger(__name__)
 

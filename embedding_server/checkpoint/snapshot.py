@@ -13,7 +13,7 @@ pieces it needs)::
 
     {"ids": int64 [n] local rows (sorted), "weight": [n, D], "<state>": [n] or [n, D], ...}
 
-and the writer's record (``ckpt_writer.py``) describes every piece, with or without a file::
+and the writer's record (``checkpoint/writer.py``) describes every piece, with or without a file::
 
     {"table", "index", "table_rows", "table_dim", "row_start", "rows", "col_start", "dim",
      "file" (or None: no row to write), "n"}
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from embedding_server.optimizers import state_bytes_per_row, state_shapes
+from embedding_server.kernels.optimizers import state_bytes_per_row, state_shapes
 
 
 @dataclass(frozen=True)
