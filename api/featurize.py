@@ -88,7 +88,10 @@ def columns_of(spec: FeatureSpec, dense: list[list], cats: list[list]) -> tuple[
     whether any is a bag). Dense values are numbers or None; categoricals as in ``_bag``."""
     columns: dict[str, pa.Array] = {}
     for feat, values in zip(spec.dense, dense, strict=True):
-        columns[feat.name] = pa.array(values, type=pa.float64())
+        try:
+            columns[feat.name] = pa.array(values, type=pa.float64())
+        except pa.ArrowInvalid:  # an integer beyond 2**53 (JSON allows any): taken as its float
+            columns[feat.name] = pa.array([float(v) if type(v) is int else v for v in values], type=pa.float64())
     any_bag = False
     for feat, values in zip(spec.categorical, cats, strict=True):
         kinds = set(map(type, values))
