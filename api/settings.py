@@ -52,8 +52,10 @@ class Settings(BaseSettings):
     on). Larger bodies and lone requests that read a remote store go to a pool thread. 0: never
     on the loop."""
     pool_concurrency: int = Field(default=4, ge=1, le=40)
-    """Scoring requests handed to pool threads at once (large bodies, remote-store reads); the
-    others wait on the event loop, holding no thread. Each busy thread contends for the GIL:
+    """Threads doing a request's CPU work at once (``api/slots.py``: pool threads decoding or
+    scoring large bodies and the batcher's thread; a request waiting for its batch gives its
+    slot back); 4 requests per slot are let into the pool, the others wait on the event loop,
+    holding no thread. Each busy thread contends for the GIL:
     with 40 at once, a health probe waited over 100 ms for the loop's turn; with 4 the loop
     gets the GIL within a switch interval or two, and two cores stay as busy
     (bench/results/probes.md)."""
