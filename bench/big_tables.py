@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
 
-from serving import LoadGen, Server, build_loadgen  # noqa: E402
+from serving_kit import LoadGen, Server, build_loadgen  # noqa: E402
 
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
 

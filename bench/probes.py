@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from serving import REPO, LoadGen, Server, build_loadgen, instances, prepare  # noqa: E402
+from serving_kit import REPO, LoadGen, Server, build_loadgen, instances, prepare  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests"))
 from dense_trainer.distributed import free_port  # noqa: E402

@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 import torch  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
-from serving import instances, prepare, redis_url, server_key, store_dir  # noqa: E402
+from serving_kit import instances, prepare, redis_url, server_key, store_dir  # noqa: E402
 
 from api import decode  # noqa: E402
 from api.featurize import featurize_instances  # noqa: E402

@@ -124,3 +124,25 @@ class LivePublisher:
             self._dense.push_dense(self.trainer.model.state_dict())
         for pusher in {id(p): p for p in (self.rows, self._dense) if p is not None}.values():
             pusher.close()
+
+
+def start_live(trainer) -> None:
+    """Publish a live version and push updates while training."""
+    from embedding_server.stores import open_store
+
+    live = trainer.cfg.live
+    if trainer.cluster is None:  # the tables are here: publish them from memory
+        trainer.live = LivePublisher(trainer, open_store(live.store), live.push_every_s, live.dense_every_s)
+        trainer.client.live_start(trainer.live.start)
+        return
+    # Embedding servers: checkpoint, the master publishes it, then every server pushes its rows.
+    checkpoint = trainer.save_checkpoint()
+    publish = None
+    if trainer.is_master:
+        trainer.live = LivePublisher(trainer, open_store(live.store), live.push_every_s, live.dense_every_s)
+
+        def publish() -> str:  # the others wait on the slow group: bounded by the bytes, as this is
+            with trainer.checkpoints.phase(f"publishing {checkpoint.name}"):
+                return trainer.live.start_from_checkpoint(checkpoint)
+
+    trainer.client.live_start(publish)

@@ -13,16 +13,14 @@ model turns them and the dense features into logits, and ``backward`` updates th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as nnf
@@ -39,9 +37,10 @@ from dense_trainer.config import Config, prepare_config
 from dense_trainer.data.elastic import Consumed
 from dense_trainer.data.loader import BatchLoader
 from dense_trainer.data.steps import Step, Steps, partial_step, resume_positions
-from dense_trainer.metrics import log_loss_from_logits, roc_auc
+from dense_trainer.evaluation import evaluate, evaluate_into_history
 from dense_trainer.model import build_dense_model
 from dense_trainer.report import RunningLoss, write_metrics
+from dense_trainer.stopping import stop_cluster, stop_signals
 from dlrm_core.batch import Batch, Position, SparseFeatures
 from dlrm_core.errors import ConfigError, DataError
 from dlrm_core.formats import InputReader, check_files
@@ -190,27 +189,10 @@ class Trainer:
         return self.forward(batch)
 
     def evaluate(self, files: list[Path], max_rows: int = 0) -> dict[str, float]:
-        """Exact AUC and log loss over ``files`` (the first ``max_rows`` rows when > 0); each
-        trainer scores its share, the master sees them all."""
-        steps = self._steps(files, self.cfg.train.eval_batch_size, 1, max_rows=max_rows)
-        logits, labels = [], []
-        try:
-            while (step := steps.next()) is not None:
-                logits.append(self.predict(step.batch).float().cpu().numpy())
-                labels.append(step.batch.labels.numpy())
-        finally:
-            steps.close()
-        if self.trainers > 1:
-            parts: list = [None] * self.trainers
-            dist.all_gather_object(parts, (logits, labels), group=self.cluster.trainer_cpu_group)
-            logits = [z for part in parts for z in part[0]]
-            labels = [y for part in parts for y in part[1]]
-        z, y = np.concatenate(logits), np.concatenate(labels)
-        if not y.size:
-            raise DataError(f"no valid rows in the test data ({', '.join(map(str, files))})")
-        return {"test_auc": roc_auc(z, y), "test_logloss": log_loss_from_logits(z, y), "test_rows": int(y.size)}
+        """Exact AUC and log loss over ``files`` (``dense_trainer/evaluation.py``)."""
+        return evaluate(self, files, max_rows)
 
-    def _steps(self, files, batch_size: int, epochs: int, starts: list[Position] | None = None,
+    def steps_of(self, files, batch_size: int, epochs: int, starts: list[Position] | None = None,
                max_rows: int = 0, consumed: Consumed | None = None) -> Steps:
         """This process's shares of ``files`` as agreed steps: trainer r of T reads blocks r mod T
         (a single process with ``data.interleave = k`` reads all k shares, as k trainers would)."""
@@ -279,13 +261,15 @@ class Trainer:
             self._resume()
         self.wait_for_master()  # servers restore their pieces meanwhile, however long it takes
         if self.cfg.live.store and self.live is None:
-            self._start_live()
-        steps = self._steps(train_files, self.cfg.train.batch_size, self.cfg.train.epochs, self.state.positions,
+            from dense_trainer.live import start_live
+
+            start_live(self)
+        steps = self.steps_of(train_files, self.cfg.train.batch_size, self.cfg.train.epochs, self.state.positions,
                             consumed=self.state.consumed)
         steps.shares[0].loader.bad_lines.restore(self.state.bad_lines)
         self._parse_base = (0, 0.0)  # loader counters already folded into the state
         try:
-            with self._stop_signals():
+            with stop_signals(self):
                 finished = self._train_epochs(steps, test_files, on_step)
         finally:
             steps.close()
@@ -296,15 +280,15 @@ class Trainer:
         self._checkpoint_with(steps)
         self.checkpoints.close()
         if self._stop_signal is not None or self._peer_stopped:
-            self._stop_cluster()
+            stop_cluster(self)
             raise KeyboardInterrupt(
                 f"stopped by {signal.Signals(self._stop_signal or signal.SIGTERM).name} at step {self.state.step}; "
                 f"checkpoint written to {self.checkpoint_dir}, continue with --resume"
             )
         if self.state.samples_seen == 0:
             raise DataError(f"no valid rows in the training data ({', '.join(map(str, train_files))})")
-        final = self._evaluate_into_history(test_files, final=True)
-        cluster_stats = self._stop_cluster()
+        final = evaluate_into_history(self, test_files, final=True)
+        cluster_stats = stop_cluster(self)
         return write_metrics(self, final, train_files, test_files, finished, cluster_stats)
 
     def _train_epochs(self, steps: Steps, test_files: list[Path],
@@ -324,7 +308,7 @@ class Trainer:
                 if cfg.max_steps and s.step >= cfg.max_steps:
                     return False
                 if cur.epoch != epoch:  # the previous epoch ended
-                    self._evaluate_into_history(test_files, final=False)
+                    evaluate_into_history(self, test_files, final=False)
                     epoch = cur.epoch
                 s.data_wait_seconds += time.perf_counter() - t_last  # time the data kept us waiting
                 nxt = steps.next(self._stop_signal is not None)
@@ -344,7 +328,7 @@ class Trainer:
                 if on_step is not None:
                     on_step(s.step, float(loss))
                 if self._evaluation_due():
-                    self._evaluate_into_history(test_files, final=False)
+                    evaluate_into_history(self, test_files, final=False)
                 if kind:  # in the background: training goes on
                     self._checkpoint_with(steps, kind, wait=False)
                 t_last = time.perf_counter()
@@ -426,65 +410,3 @@ class Trainer:
             self.save_checkpoint(kind, wait)
         finally:
             s.positions = mine
-
-    @contextlib.contextmanager
-    def _stop_signals(self) -> Iterator[None]:
-        """SIGINT/SIGTERM stop training at the next step boundary (with a checkpoint)."""
-
-        def on_signal(signum, _frame) -> None:
-            self._stop_signal = signum
-            log.warning("received %s: stopping after this step and writing a checkpoint", signal.Signals(signum).name)
-
-        old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-
-    def _stop_cluster(self) -> dict | None:
-        """Stop the embedding servers and collect every rank's timings and traffic at the master."""
-        if self.cluster is None:
-            return None
-        self.client.close()
-        mine = {"rank": self.rank, "timings": dict(self.timings), "client": dict(self.client.stats),
-                "rows_parsed": self.state.parse_rows,
-                "exchange": dict(self.cluster.transport.stats) if self.cluster.transport else {}}
-        gathered: list | None = [None] * self.cluster.roles.world_size if self.is_master else None
-        dist.gather_object(mine, gathered, dst=0)
-        return {"ranks": gathered} if self.is_master else None
-
-    # -- live updates and evaluation ------------------------------------------------------------------
-
-    def _start_live(self) -> None:
-        """Publish a live version and push updates while training (``dense_trainer/live.py``)."""
-        from dense_trainer.live import LivePublisher
-        from embedding_server.stores import open_store
-
-        live = self.cfg.live
-        if self.cluster is None:  # the tables are here: publish them from memory
-            self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)
-            self.client.live_start(self.live.start)
-            return
-        # Embedding servers: checkpoint, the master publishes it, then every server pushes its rows.
-        checkpoint = self.save_checkpoint()
-        publish = None
-        if self.is_master:
-            self.live = LivePublisher(self, open_store(live.store), live.push_every_s, live.dense_every_s)
-
-            def publish() -> str:  # the others wait on the slow group: bounded by the bytes, as this is
-                with self.checkpoints.phase(f"publishing {checkpoint.name}"):
-                    return self.live.start_from_checkpoint(checkpoint)
-        self.client.live_start(publish)
-
-    def _evaluate_into_history(self, test_files: list[Path], final: bool) -> dict[str, float]:
-        max_rows = 0 if final else self.cfg.train.eval_max_rows
-        t0 = time.perf_counter()
-        result = self.evaluate(test_files, max_rows=max_rows)
-        log.info(
-            "eval at %d samples: AUC %.4f, log loss %.4f over %d rows (%.1fs)",
-            self.state.samples_seen, result["test_auc"], result["test_logloss"], result["test_rows"],
-            time.perf_counter() - t0,
-        )
-        self.state.history.append({"samples": self.state.samples_seen, **result, "final": final})
-        return result

@@ -20,7 +20,8 @@ import re
 import numpy as np
 import pyarrow as pa
 
-from dlrm_core.featurize import DENSE_MAX_ABS, RESERVED_ID, hash_strings, transform_dense_block
+from dlrm_core.featurize import DENSE_MAX_ABS, transform_dense_block
+from dlrm_core.ids import RESERVED_ID, hash_strings
 from dlrm_core.schema import FeatureSpec
 
 MAX_EXAMPLES = 16
@@ -116,6 +117,6 @@ class ValueFeaturizer:
                 v = out[k] & _U64
                 if rows is not None:
                     out[k] = v % rows
-                else:  # the 64 bits as int64; RESERVED_ID read as its neighbour (dlrm_core/featurize.py)
+                else:  # the 64 bits as int64; RESERVED_ID read as its neighbour (dlrm_core/ids.py)
                     out[k] = v if v < 1 << 63 else (v - (1 << 64) if v != 1 << 63 else RESERVED_ID + 1)
         return np.array(out, dtype=np.int64)

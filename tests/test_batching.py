@@ -44,7 +44,7 @@ def histogram(text: str, name: str) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("bags", [False, True])
-def test_merged_inputs_equal_inputs_featurised_together(file_store_url, rows, bags):  # noqa: F811
+def test_merged_inputs_equal_inputs_featurised_together(file_store_url, rows, bags):
     batch = [dict(r, sparse=list(r["sparse"])) for r in rows[8:20]]
     if bags:  # every request with a bag (a request's layout follows its own values)
         for k, r in enumerate(batch):
@@ -74,7 +74,7 @@ def _slow_first_calls(service, seconds: float, calls: int):
     service.score = slow
 
 
-def test_concurrent_requests_are_batched_and_score_as_alone(file_store_url, rows):  # noqa: F811
+def test_concurrent_requests_are_batched_and_score_as_alone(file_store_url, rows):
     with TestClient(create_app(Settings(store=file_store_url, batching=False))) as client:
         alone = [client.post(PREDICT, json={"instances": [r]}).json()["predictions"][0] for r in rows]
     with TestClient(create_app(Settings(store=file_store_url, batch_max_size=16))) as client:
@@ -93,7 +93,7 @@ def test_concurrent_requests_are_batched_and_score_as_alone(file_store_url, rows
     assert examples["16.0"] == calls, "a batch went over batch_max_size"
 
 
-def test_a_failing_request_fails_alone_in_its_batch(file_store_url, rows):  # noqa: F811
+def test_a_failing_request_fails_alone_in_its_batch(file_store_url, rows):
     poison = {"dense": [987654321] + [None] * 12, "sparse": [None] * 26}
     # The blocker's slow model call must hold the batcher (off the loop), not the event loop: a
     # lone small request is otherwise scored on the loop (inline_max_bytes) and the others arrive
@@ -124,7 +124,7 @@ def test_a_failing_request_fails_alone_in_its_batch(file_store_url, rows):  # no
     assert len(bodies) in calls, f"the poisoned request was never batched with the others: {calls}"
 
 
-def test_concurrent_small_requests_are_queued_from_the_loop_and_fail_alone(file_store_url, rows):  # noqa: F811
+def test_concurrent_small_requests_are_queued_from_the_loop_and_fail_alone(file_store_url, rows):
     """Small requests that arrive while others are in flight are decoded and featurised on the
     event loop and scored by the batcher thread (``fastpath.Staged``: no pool thread each), batched
     and as alone; a bad body gets its own 422 naming its field, a failing model call its own 500."""
@@ -155,7 +155,7 @@ def test_concurrent_small_requests_are_queued_from_the_loop_and_fail_alone(file_
     assert max(size for _, size in threads) > 1, f"no batch formed: {threads}"
 
 
-def test_an_unavailable_store_fails_a_batch_at_once(file_store_url, rows):  # noqa: F811
+def test_an_unavailable_store_fails_a_batch_at_once(file_store_url, rows):
     """A coalesced call that finds the store down answers 503 to all its requests, without
     scoring each again alone (each would wait out the store's timeout once more)."""
     from embedding_server.stores import StoreUnavailable
@@ -177,7 +177,7 @@ def test_an_unavailable_store_fails_a_batch_at_once(file_store_url, rows):  # no
     assert max(sizes) > 1 and len(sizes) < 12, f"model calls of {sizes} examples: a batch was scored again alone"
 
 
-def test_submit_after_stop_is_refused_and_queued_jobs_are_scored(file_store_url, rows):  # noqa: F811
+def test_submit_after_stop_is_refused_and_queued_jobs_are_scored(file_store_url, rows):
     """Queued jobs are scored when the batcher stops (their futures always resolve); a submit
     after it stopped is refused with BatcherStopped (the fast path then scores in the pool)."""
     from api.batching import BatcherStopped

@@ -226,7 +226,7 @@ def test_a_redis_fold_keeps_a_push_that_raced_it_and_ignores_other_tables(synth_
     """Two writers of one table's map (a table split by rows over servers): a fold of the overlay
     that a push to it overtook is left (the push's entry stays, it wins over the base); a push to
     another table's overlay does not stop it."""
-    from embedding_server.stores import redis_idmaps, redis_store
+    from embedding_server.stores import redis_idmaps, redis_live
 
     url = store_url("redis", tmp_path, request)
     trainer = Trainer(tiny_config(embedding={"ids": "dynamic", "hash_size": 500, "admit_after": 1}), tmp_path / "run")
@@ -256,7 +256,7 @@ def test_a_redis_fold_keeps_a_push_that_raced_it_and_ignores_other_tables(synth_
             return outcomes[-1]
         return compact
 
-    monkeypatch.setattr(redis_store, "compact_after_push", lambda *a: None)  # the racing pushes fold nothing
+    monkeypatch.setattr(redis_live, "compact_after_push", lambda *a: None)  # the racing pushes fold nothing
     store._scripts["COMPACT"] = racing(lambda: move("C1", a, s + 1))  # the other writer, between read and fold
     redis_idmaps.maybe_compact(store, version, "C1")
     assert outcomes == [0]

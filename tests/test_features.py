@@ -4,15 +4,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dlrm_core.featurize import (
-    LABEL,
-    Featurizer,
-    hash_strings,
-    hex_to_uint64,
-    raw_ids,
-    to_rows,
-    transform_dense,
-)
+from dlrm_core.featurize import LABEL, Featurizer, transform_dense
+from dlrm_core.ids import hash_strings, hex_to_uint64, raw_ids, to_rows
 from dlrm_core.schema import (
     CategoricalFeature,
     DenseFeature,
@@ -62,7 +55,7 @@ def test_rows_are_id_mod_rows(rows):
 
 
 def reference_hash(text: str) -> int:
-    """The documented hash, in plain Python (module docstring of dlrm_core/featurize.py)."""
+    """The documented hash, in plain Python (module docstring of dlrm_core/ids.py)."""
     m = (1 << 64) - 1
     data = text.encode()
     h = 0x243F6A8885A308D3 ^ (len(data) * 0xBF58476D1CE4E5B9 & m)

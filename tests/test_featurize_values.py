@@ -15,8 +15,9 @@ from api.featurize import featurize_instances
 from api.metrics import ServingMetrics
 from api.service import ModelService
 from api.settings import Settings
-from dlrm_core.featurize import Featurizer, raw_ids
+from dlrm_core.featurize import Featurizer
 from dlrm_core.featurize_values import ValueFeaturizer
+from dlrm_core.ids import raw_ids
 from dlrm_core.schema import CategoricalFeature, DenseFeature, build_spec
 from embedding_server.publish import publish_checkpoint
 from embedding_server.stores import open_store

@@ -7,13 +7,14 @@ CI sets DLRM_IDMAP_KERNEL=native, so there a kernel that does not build fails th
 than skipping them."""
 
 import os
+import shutil
 
 import pytest
 import torch
 
 from dlrm_core.batch import SparseFeatures
 from dlrm_core.errors import ConfigError
-from embedding_server.idmap import native
+from embedding_server.idmap import native, native_build
 from embedding_server.idmap.hash_table import TOMBSTONE, IdHashTable, probe
 from embedding_server.idmap.remap import ShardIdMaps
 from embedding_server.idmap.sketch import sketch_cells_of
@@ -167,7 +168,7 @@ def test_kernel_modes_and_a_failed_build(kernel, monkeypatch, tmp_path, caplog):
     source = tmp_path / "pkg" / "idhash.c"  # a source no build exists of, and no compiler for it
     source.parent.mkdir()
     source.write_text(native.SOURCE.read_text() + "\n/* another version */\n")
-    monkeypatch.setattr(native, "SOURCE", source)
+    monkeypatch.setattr(native_build, "SOURCE", source)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "/bin/false")
     kernel("native")
@@ -177,7 +178,7 @@ def test_kernel_modes_and_a_failed_build(kernel, monkeypatch, tmp_path, caplog):
     assert native.library() is None
     assert "using the torch version" in caplog.text
     monkeypatch.delenv("CC")
-    if native.shutil.which("cc") or native.shutil.which("gcc"):  # and with a compiler: built once, beside the source
+    if shutil.which("cc") or shutil.which("gcc"):  # and with a compiler: built once, beside the source
         kernel("native")
         assert native.library() is not None and len(list(source.parent.glob("_idhash-*.so"))) == 1
 

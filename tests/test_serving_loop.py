@@ -68,7 +68,7 @@ def test_sliced_v2_decoding_answers_as_pydantic_does(body):
     assert _outcome(infer_request, raw) == _outcome(InferRequest.model_validate_json, raw)
 
 
-def test_ids_cap_is_a_413_in_each_protocols_shape(file_store_url, criteo_sample):  # noqa: F811
+def test_ids_cap_is_a_413_in_each_protocols_shape(file_store_url, criteo_sample):
     line = (criteo_sample / "test.txt").read_text().splitlines()[0]
     settings = Settings(store=file_store_url, max_ids_per_request=52)  # two one-hot Criteo examples
     with TestClient(create_app(settings)) as client:
@@ -124,7 +124,7 @@ def _serve(store_url: str, port: int) -> subprocess.Popen:
     raise RuntimeError("server not ready in 60 s")
 
 
-def test_healthz_answers_within_50ms_while_max_size_requests_are_scored(file_store_url, criteo_sample, tmp_path):  # noqa: F811
+def test_healthz_answers_within_50ms_while_max_size_requests_are_scored(file_store_url, criteo_sample, tmp_path):
     lines = (criteo_sample / "test.txt").read_text().splitlines()
     n = Settings().max_instances  # the largest request the server takes
     rows = [lines[i % len(lines)] for i in range(n)]

@@ -11,7 +11,8 @@ modulo) and its shard maps them to rows before the fused kernel runs:
     batched.py      MapGroup: admission and eviction of a group of a shard's maps in one set of
                     tensor ops (the same decisions as one DynamicIdMap per table)
     native.py       the hash-table probes and inserts and the eviction choices in C (idhash.c,
-                    compiled on first use, called through ctypes; the torch code where it is off)
+                    called through ctypes; the torch code where it is off)
+    native_build.py idhash.c compiled on first use, cached by the source's hash
     pieces.py       PieceLayout: a table split by rows over servers, its ids routed by hash
     reshard.py      a checkpoint restored onto another split: ids moved with their rows
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlrm_core.featurize import RESERVED_ID
+from dlrm_core.ids import RESERVED_ID
 
 NO_OWNER = RESERVED_ID
 """Owner of a slot that holds no admitted id (a shared row, a free row). No raw id is ever this
-one: featurizing reads those 64 bits as the next id (``dlrm_core.featurize.RESERVED_ID``), so a
+one: featurizing reads those 64 bits as the next id (``dlrm_core.ids.RESERVED_ID``), so a
 key never passes for "none" (a Redis owner never written reads as -1, another id's)."""
 
 

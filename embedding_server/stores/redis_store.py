@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
-from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
@@ -49,9 +47,10 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+import embedding_server.stores.redis_live as redis_live
 from dlrm_core.errors import ConfigError
 from dlrm_core.secrets import redact_url, scrub, url_password
-from embedding_server.idmap.view import NO_OWNER, IdMapDelta, owners_of
+from embedding_server.idmap.view import NO_OWNER, IdMapDelta
 from embedding_server.stores.base import (
     ServingStore,
     StoreUnavailable,
@@ -60,18 +59,8 @@ from embedding_server.stores.base import (
     VersionWriter,
 )
 from embedding_server.stores.file_store import check_version_name
-from embedding_server.stores.redis_blocks import (
-    BlockBuffer,
-    block_len,
-    block_rows,
-    rows_by_block,
-)
 from embedding_server.stores.redis_idmaps import (
-    OWNER_BYTES,
-    compact_after_push,
     gather_rows,
-    int64_items,
-    overlay_keys,
     read_id_map,
 )
 from embedding_server.stores.redis_scripts import (
@@ -82,111 +71,18 @@ from embedding_server.stores.redis_scripts import (
     UPDATE_DENSE,
     UPDATE_ROWS,
 )
+from embedding_server.stores.redis_writer import RedisVersionWriter
 from embedding_server.wire import (
     ModelVersion,
-    decode_ids,
     decode_state,
-    encode_ids,
-    encode_rows,
-    encode_state,
-    row_bytes,
 )
 
 log = logging.getLogger(__name__)
 
-PIPELINE_BYTES = 4 << 20
-"""Flush a write pipeline after this many bytes of rows (bounds publisher memory)."""
-LEASE_S = 600
 BULK_TIMEOUT_S = 30.0
 """Socket timeout of bulk writes (a 4 MB pipeline to a busy server); reads keep the store's own."""
-UPDATES_MAXLEN = 20_000
-"""Live-update stream entries kept; a reader further behind reloads its version."""
 
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
-
-
-class RedisVersionWriter(VersionWriter):
-    def __init__(self, store: RedisStore, meta: ModelVersion) -> None:
-        self.store = store
-        self.meta = meta
-        self._pipe = store.bulk.pipeline(transaction=False)
-        self._bytes = 0
-        self._blocks: dict[str, BlockBuffer] = {}
-        self.rows_stored = 0
-        """Rows written into blocks so far (a block with one kept row is written whole)."""
-        store.make_room(sum(t.rows * row_bytes(t.dim, meta.row_dtype) for t in meta.spec.tables))
-        v = meta.version
-        with store.errors():  # the lease first: a concurrent collector must not take it for dead
-            store.client.set(store.key("writing", v), "1", ex=LEASE_S)
-            store.client.sadd(store.key("incomplete"), v)
-
-    def _flush(self) -> None:
-        with self.store.errors():
-            self._pipe.set(self.store.key("writing", self.meta.version), "1", ex=LEASE_S)
-            try:
-                self._pipe.execute()
-            except redis.exceptions.OutOfMemoryError:
-                # maxmemory reached (noeviction refuses writes): collect the versions that may
-                # go (all but the current one), then write again, once
-                if not self.store.collect_garbage(keep=0):
-                    raise
-                log.warning("redis store %s: out of memory, collected old versions to write %s",
-                            self.store.url, self.meta.version)
-                self._pipe.execute()
-        self._bytes = 0
-
-    def write_rows(self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None) -> None:
-        buffer = self._blocks.get(table)
-        if buffer is None:
-            spec = next(t for t in self.meta.spec.tables if t.name == table)
-            buffer = self._blocks[table] = BlockBuffer(spec.rows, row_bytes(spec.dim, self.meta.row_dtype))
-        enc = encode_rows(rows, self.meta.row_dtype).view(np.uint8).reshape(len(rows), -1)  # [n, W bytes]
-        self._set_blocks(table, buffer.add(start, enc, keep))
-
-    def _set_blocks(self, table: str, blocks: list[tuple[int, bytes]]) -> None:
-        for block, blob in blocks:  # one SET of ~16 KB per block: no command holds Redis long
-            self._pipe.set(self.store.rows_key(self.meta.version, table, block), blob)
-            self._bytes += len(blob)
-            self.rows_stored += len(blob) // self._blocks[table].row_bytes
-            if self._bytes >= PIPELINE_BYTES:
-                self._flush()
-
-    def write_dense(self, state: dict[str, torch.Tensor]) -> None:
-        self._pipe.set(self.store.key("v", self.meta.version, "dense"), encode_state(state))
-
-    def write_id_map(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
-        pair = np.stack([ids, rows]).astype("<i8")
-        self._pipe.set(self.store.key("v", self.meta.version, "idmap", table), pair.tobytes())
-        spec = next(t for t in self.meta.spec.tables if t.name == table)
-        owner = owners_of(spec.rows, ids, rows).astype("<i8")
-        per_block = block_rows(OWNER_BYTES)
-        for block, start in enumerate(range(0, spec.rows, per_block)):
-            self._pipe.set(self.store.owners_key(self.meta.version, table, block),
-                           owner[start : start + per_block].tobytes())
-            self._bytes += per_block * OWNER_BYTES
-        self.meta.owners = True
-
-    def commit(self) -> None:
-        s, v = self.store, self.meta.version
-        for table, buffer in self._blocks.items():
-            self._set_blocks(table, buffer.drain())
-        self._pipe.set(s.key("v", v, "meta"), self.meta.model_dump_json())
-        self._flush()
-        with s.errors():
-            pipe = s.client.pipeline(transaction=True)
-            pipe.zadd(s.key("versions"), {v: time.time()})
-            pipe.srem(s.key("incomplete"), v)
-            pipe.delete(s.key("writing", v))
-            pipe.set(s.key("current"), v)  # the version is complete: readers may switch
-            pipe.execute()
-        s.collect_garbage(v)
-
-    def abort(self) -> None:
-        self._pipe.reset()
-        try:
-            self.store.delete_version(self.meta.version)
-        except StoreUnavailable:
-            log.warning("could not clean up version %s after an aborted publish", self.meta.version)
 
 
 class RedisStore(ServingStore):
@@ -402,99 +298,17 @@ class RedisStore(ServingStore):
             raise ConfigError(f"{self.url} already has a version {meta.version!r}: publish under a new name")
         return RedisVersionWriter(self, meta)
 
-    # -- live updates --------------------------------------------------------------------------------
-    def _live_keys(self, version: str) -> list[str]:
-        return [self.key("v", version, "meta"), self.key("v", version, "gen"), self.key("v", version, "updates")]
-
+    # -- live updates (``redis_live.py``) ------------------------------------------------------
     def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]],
                     id_maps: dict[str, IdMapDelta] | None = None) -> None:
-        """One generation: every table's rows, dynamic tables' map entries (the overlay hashes) and
-        owners, and the stream entry naming them, atomically, and only while the version exists
-        (never recreating keys of a deleted one)."""
-        meta = self.read_meta(version)
-        id_maps = id_maps or {}
-        entry = [item for table, (ids, _) in updates.items() for item in (f"t:{table}".encode(), encode_ids(ids))]
-        entry += [item for table, delta in id_maps.items() for item in (f"m:{table}".encode(), delta.to_bytes())]
-        keys = self._live_keys(version) + overlay_keys(self, version, list(id_maps))
-        args = [UPDATES_MAXLEN, len(entry) // 2, *entry, len(id_maps)]
-        for delta in id_maps.values():
-            args.append(len(delta))
-            args.extend(b for pair in zip(int64_items(delta.ids), int64_items(delta.rows), strict=True) for b in pair)
-        specs = {t.name: t for t in meta.spec.tables}
-        blocks = [(self.rows_key(version, table, ""), ids, encode_rows(rows, meta.row_dtype), specs[table].rows)
-                  for table, (ids, rows) in updates.items()]
-        blocks += [(self.owners_key(version, table, ""), d.slots, np.asarray(d.owners, "<i8"), specs[table].rows)
-                   for table, d in id_maps.items()]
-        for base, ids, enc, table_rows in blocks:
-            enc = enc.view(np.uint8).reshape(len(ids), -1)  # [n, W bytes]
-            width = enc.shape[1]
-            per_block = block_rows(width)
-            for block, pieces in rows_by_block(np.asarray(ids, np.int64), enc, per_block).items():
-                keys.append(f"{base}{block}")
-                args += [block_len(block, per_block, table_rows) * width, len(pieces)]
-                args.extend(item for piece in pieces for item in piece)
-        with self.errors():
-            generation = self._scripts["UPDATE_ROWS"](keys=keys, args=args)
-        if generation < 0:
-            raise self._gone(version)
-        compact_after_push(self, version, list(id_maps))
+        redis_live.update_rows(self, version, updates, id_maps)
 
     def update_dense(self, version: str, state: dict[str, torch.Tensor]) -> None:
-        with self.errors():
-            generation = self._scripts["UPDATE_DENSE"](
-                keys=[*self._live_keys(version), self.key("v", version, "dense")],
-                args=[UPDATES_MAXLEN, encode_state(state)])
-        if generation < 0:
-            raise self._gone(version)
+        redis_live.update_dense(self, version, state)
 
     def poll_updates(self, version: str, cursor: str | None) -> UpdateBatch:
-        """Cursor ``"<generation>:<stream id>"``. Entries carry their generation, so a gap (the
-        stream was trimmed past entries this reader had not seen) is noticed: ``lost``."""
-        meta_key, gen_key, stream = self._live_keys(version)
-        seen, _, after = (cursor or "0:0-0").partition(":")
-        with self.errors():
-            pipe = self.client.pipeline(transaction=True)
-            pipe.exists(meta_key)
-            pipe.get(gen_key)
-            if cursor is None:
-                pipe.xrevrange(stream, count=1)
-            else:
-                pipe.xread({stream: after}, count=10_000)
-            alive, generation, entries = pipe.execute()
-        if not alive:
-            raise self._gone(version)
-        generation = int(generation or 0)
-        if cursor is None:
-            last = entries[0][0].decode() if entries else "0-0"
-            return UpdateBatch(cursor=f"{generation}:{last}", generation=generation)
-        return _batch(entries, int(seen), after, generation)
+        return redis_live.poll_updates(self, version, cursor)
 
     def close(self) -> None:
         self.client.close()
         self.bulk.close()
-
-
-def _batch(entries, seen: int, after: str, generation: int) -> UpdateBatch:
-    """Stream entries after generation ``seen`` -> what changed, or ``lost`` on a gap."""
-    items = [item for _name, stream_items in (entries or []) for item in stream_items]
-    batch = UpdateBatch(cursor=f"{seen}:{after}", generation=seen)
-    rows: dict[str, list[np.ndarray]] = defaultdict(list)
-    for entry_id, fields in items:
-        g = int(fields.get(b"g", -1))
-        if g != batch.generation + 1:  # a gap, or an entry without a generation
-            return UpdateBatch(cursor=f"{generation}:{items[-1][0].decode()}", generation=generation, lost=True)
-        batch.generation, batch.cursor = g, f"{g}:{entry_id.decode()}"
-        if batch.written_at is None:  # a stream id starts with the server's time in ms
-            batch.written_at = int(entry_id.split(b"-")[0]) / 1000
-        for name, value in fields.items():
-            if name == b"dense":
-                batch.dense_changed = True
-            elif name.startswith(b"t:"):
-                rows[name[2:].decode()].append(decode_ids(value))
-            elif name.startswith(b"m:"):  # in stream order: the later change wins
-                table, delta = name[2:].decode(), IdMapDelta.from_bytes(value)
-                batch.id_maps[table] = batch.id_maps[table].then(delta) if table in batch.id_maps else delta
-    if not items and generation > seen:  # every entry after ours was trimmed
-        return UpdateBatch(cursor=f"{generation}:{after}", generation=generation, lost=True)
-    batch.rows = {t: np.unique(np.concatenate(v)) for t, v in rows.items()}
-    return batch
