@@ -54,6 +54,7 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Benchmarks run one at a time (2 cores: parallel runs distort each other). TorchRec lives in a
 # separate environment, installed with --no-deps so that it cannot replace fbgemm-gpu-cpu.

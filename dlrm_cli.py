@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from embedding_server.cli import add_publish_parser, add_store_parser
 
-    parser = argparse.ArgumentParser(prog="dlrm", description="Disaggregated DLRM training and serving.")
+    parser = argparse.ArgumentParser(
+        prog="dlrm", description="Disaggregated DLRM training and serving."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_parser(sub)

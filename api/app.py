@@ -64,11 +64,19 @@ def create_app(
         gc.collect()
         gc.freeze()
         own_store = store is None
-        the_store = store if store is not None else open_store(
-            settings.store, timeout_s=settings.store_timeout_s, password_file=settings.store_password_file)
+        the_store = (
+            store
+            if store is not None
+            else open_store(
+                settings.store,
+                timeout_s=settings.store_timeout_s,
+                password_file=settings.store_password_file,
+            )
+        )
         service = service_factory(the_store, settings, metrics or ServingMetrics())
         app.state.service = service
-        service.batcher.slots = app.state.slots  # one budget of CPU threads: the batcher's and the pool's
+        # one budget of CPU threads: the batcher's and the pool's
+        service.batcher.slots = app.state.slots
         app.state.probes = probes.Probes(service)
         probes.install(app.state.probes)  # answered by dlrm serve's HTTP protocol, ahead of scoring
         try:
@@ -87,9 +95,11 @@ def create_app(
     app = FastAPI(
         title="DLRM serving API",
         version="1",
-        summary="Scores recommendation examples with a published DLRM (KServe V1 and the Open Inference Protocol).",
+        summary="Scores recommendation examples with a published DLRM (KServe V1 and the Open "
+        "Inference Protocol).",
         lifespan=lifespan,
-        docs_url=None, redoc_url=None,  # ours: offline assets, a key field (api/docs.py)
+        docs_url=None,
+        redoc_url=None,  # ours: offline assets, a key field (api/docs.py)
     )
     app.state.settings = settings
     app.include_router(router)
@@ -100,11 +110,18 @@ def create_app(
     app.state.routes = openapi.route_table(app)
     app.state.slots = CpuSlots(settings.pool_concurrency)
     if settings.fast_path:  # innermost: inside the body cap, the key check and the request context
-        app.add_middleware(FastScoring, routes=app.state.routes, handlers={**V1_FAST, **V2_FAST},
-                           inline_max_bytes=settings.inline_max_bytes, staged={**V1_STAGED, **V2_STAGED},
-                           slots=app.state.slots)
+        app.add_middleware(
+            FastScoring,
+            routes=app.state.routes,
+            handlers={**V1_FAST, **V2_FAST},
+            inline_max_bytes=settings.inline_max_bytes,
+            staged={**V1_STAGED, **V2_STAGED},
+            slots=app.state.slots,
+        )
     app.add_middleware(ContentEncoding, limit=settings.max_body_bytes)  # inside the cap on the wire
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(RequireKey, keys=keys)
-    app.add_middleware(RequestContext, access_log=settings.access_log, templates=[p for p, _ in app.state.routes])
+    app.add_middleware(
+        RequestContext, access_log=settings.access_log, templates=[p for p, _ in app.state.routes]
+    )
     return app

@@ -51,13 +51,17 @@ def checked_keys(keys: list[str], source: str) -> list[str]:
             (named by its place and length, never by its value).
     """
     if not keys:
-        raise ConfigError(f"{source} holds no key (empty, or only separators and spaces): give a key of at "
-                          f"least {MIN_KEY_LENGTH} characters ({NEW_KEY_HINT}), or --no-auth to serve "
-                          "without authentication")
+        raise ConfigError(
+            f"{source} holds no key (empty, or only separators and spaces): give a key of at "
+            f"least {MIN_KEY_LENGTH} characters ({NEW_KEY_HINT}), or --no-auth to serve "
+            "without authentication"
+        )
     for i, key in enumerate(keys, 1):
         if len(key) < MIN_KEY_LENGTH:
-            raise ConfigError(f"{source}: key {i} of {len(keys)} has {len(key)} characters, at least "
-                              f"{MIN_KEY_LENGTH} are needed ({NEW_KEY_HINT})")
+            raise ConfigError(
+                f"{source}: key {i} of {len(keys)} has {len(key)} characters, at least "
+                f"{MIN_KEY_LENGTH} are needed ({NEW_KEY_HINT})"
+            )
     return keys
 
 
@@ -81,13 +85,20 @@ class KeyRing:
             ``no_auth`` comes with keys.
     """
 
-    def __init__(self, keys: list[str] | None, key_file: Path | None = None, recheck_s: float = 1.0,
-                 no_auth: bool = False) -> None:
+    def __init__(
+        self,
+        keys: list[str] | None,
+        key_file: Path | None = None,
+        recheck_s: float = 1.0,
+        no_auth: bool = False,
+    ) -> None:
         self.no_auth = no_auth
         self.key_file = key_file
         if no_auth and (keys or key_file is not None):
-            raise ConfigError("--no-auth (DLRM_NO_AUTH) with API keys given (DLRM_API_KEY or --api-key-file): "
-                              "choose one")
+            raise ConfigError(
+                "--no-auth (DLRM_NO_AUTH) with API keys given (DLRM_API_KEY or --api-key-file): "
+                "choose one"
+            )
         fixed = checked_keys(keys, "DLRM_API_KEY") if keys is not None and not no_auth else []
         self._fixed = [_digest(k) for k in fixed]
         self.recheck_s = recheck_s
@@ -114,7 +125,9 @@ class KeyRing:
 
     def _read_file(self) -> list[bytes]:
         what = f"API key file {self.key_file}"
-        return [_digest(k) for k in checked_keys(read_secret_lines(self.key_file, "API key file"), what)]
+        return [
+            _digest(k) for k in checked_keys(read_secret_lines(self.key_file, "API key file"), what)
+        ]
 
     def _file_stamp(self) -> tuple[int, int] | None:
         try:
@@ -168,7 +181,12 @@ class RequireKey:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "")
-        if scope["type"] != "http" or not self.keys.enabled or path in OPEN_PATHS or docs.is_open(path):
+        if (
+            scope["type"] != "http"
+            or not self.keys.enabled
+            or path in OPEN_PATHS
+            or docs.is_open(path)
+        ):
             return await self.app(scope, receive, send)
         token = bearer_token(scope.get("headers", []))
         if token is not None and self.keys.check(token):

@@ -38,6 +38,8 @@ from api.slots import CpuSlots, waiting
 from embedding_server.stores import StoreUnavailable, VersionNotFound
 
 Score = Callable[[ServingModel, ModelInputs], list[float]]
+
+
 class BatcherStopped(RuntimeError):
     """``submit`` after the batcher thread stopped (the server is shutting down)."""
 
@@ -53,12 +55,19 @@ def merge(parts: list[ModelInputs]) -> ModelInputs:
     n_features = (len(parts[0][2]) - 1) // sizes[0]
     dense = np.concatenate([p[0] for p in parts])  # [sum B, I]
     lengths = np.concatenate(
-        [np.diff(offsets).reshape(n_features, b) for (_, _, offsets), b in zip(parts, sizes, strict=True)],
-        axis=1)  # [F, sum B]
+        [
+            np.diff(offsets).reshape(n_features, b)
+            for (_, _, offsets), b in zip(parts, sizes, strict=True)
+        ],
+        axis=1,
+    )  # [F, sum B]
     offsets = np.zeros(n_features * total + 1, dtype=np.int64)
     np.cumsum(lengths.ravel(), out=offsets[1:])
-    pieces = [ids[offs[f * b] : offs[(f + 1) * b]]
-              for f in range(n_features) for (_, ids, offs), b in zip(parts, sizes, strict=True)]
+    pieces = [
+        ids[offs[f * b] : offs[(f + 1) * b]]
+        for f in range(n_features)
+        for (_, ids, offs), b in zip(parts, sizes, strict=True)
+    ]
     ids = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
     return dense, ids.astype(np.int64, copy=False), offsets
 
@@ -83,7 +92,9 @@ class Batcher:
         max_delay_s: longest a queued batch waits for requests still being decoded.
     """
 
-    def __init__(self, score: Score, max_size: int, max_delay_s: float, metrics: ServingMetrics) -> None:
+    def __init__(
+        self, score: Score, max_size: int, max_delay_s: float, metrics: ServingMetrics
+    ) -> None:
         self._score = score
         self.max_size = max_size
         self.max_delay_s = max_delay_s
@@ -118,7 +129,8 @@ class Batcher:
             self._local.coming = False
             with self._cond:
                 self._coming -= 1
-                if self._queue:  # only a forming batch waits for comers (a needless wake costs a GIL hand-off)
+                # only a forming batch waits for comers (a needless wake costs a GIL hand-off)
+                if self._queue:
                     self._cond.notify_all()
 
     def score(self, model: ServingModel, inputs: ModelInputs) -> list[float]:
@@ -227,7 +239,8 @@ class Batcher:
             try:
                 predictions = self._score(batch[0].model, merge([j.inputs for j in batch]))
             except SHARED_FAULTS as exc:  # the store or the version: every request's alike, at once
-                for job in batch:  # (scored again one by one, each would wait out the store's timeout)
+                # (scored again one by one, each would wait out the store's timeout)
+                for job in batch:
                     job.future.set_exception(exc)
                 return
             except Exception:  # noqa: BLE001 - each request is scored again, alone, for its own error

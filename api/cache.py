@@ -30,8 +30,11 @@ class TableCache:
     def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """-> (slot per id, -1 where missing)."""
         ids_list = ids.tolist()  # dict.get mapped in C (no Python frame per id)
-        slots = np.fromiter(map(self.slots.get, ids_list, repeat(-1, len(ids_list))), dtype=np.int64,
-                            count=len(ids_list))
+        slots = np.fromiter(
+            map(self.slots.get, ids_list, repeat(-1, len(ids_list))),
+            dtype=np.int64,
+            count=len(ids_list),
+        )
         hit = slots >= 0
         self.referenced[slots[hit]] = True
         return slots, hit
@@ -79,11 +82,15 @@ class RowCache:
     so small tables end up fully cached.
     """
 
-    def __init__(self, tables: list[tuple[str, int, int]], budget_bytes: float,
-                 dtype: np.dtype | type = np.float32) -> None:
+    def __init__(
+        self,
+        tables: list[tuple[str, int, int]],
+        budget_bytes: float,
+        dtype: np.dtype | type = np.float32,
+    ) -> None:
         """Args:
-            tables: (name, rows, row width in elements of ``dtype``) per table.
-            dtype: element type of the stored rows (``wire.NUMPY_DTYPE`` of the version's row dtype).
+        tables: (name, rows, row width in elements of ``dtype``) per table.
+        dtype: element type of the stored rows (``wire.NUMPY_DTYPE`` of the version's row dtype).
         """
         size = np.dtype(dtype).itemsize
         total = sum(rows * width * size for _, rows, width in tables) or 1
@@ -99,7 +106,9 @@ class RowCache:
     def epoch(self, table: str) -> int:
         return self.epochs.get(table, 0)
 
-    def get(self, table: str, ids: np.ndarray, tags: np.ndarray | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+    def get(
+        self, table: str, ids: np.ndarray, tags: np.ndarray | None = None
+    ) -> tuple[np.ndarray | None, np.ndarray]:
         """Cached rows of ``ids`` ([n, width] as stored, rows of misses undefined) and the hit mask;
         ``tags`` [n]: a row hits only if it was cached with the same tag (dynamic tables)."""
         cache = self.tables.get(table)
@@ -126,7 +135,9 @@ class RowCache:
                         return False
         return True
 
-    def gather(self, tables: list[str], ids: list[int], out: np.ndarray, columns: list[int]) -> bool:
+    def gather(
+        self, tables: list[str], ids: list[int], out: np.ndarray, columns: list[int]
+    ) -> bool:
         """One-hot examples: ``out[b, columns[f]:columns[f + 1]]`` = the cached row of id
         ``ids[f * B + b]`` of table ``tables[f]`` (out [B, sum W] of the rows' or a wider dtype,
         ``columns`` the rows' widths summed); False (``out``
@@ -149,7 +160,14 @@ class RowCache:
                 out[b, columns[f] : columns[f + 1]] = cache.rows[slot]
         return True
 
-    def put(self, table: str, ids: np.ndarray, rows: np.ndarray, epoch: int, tags: np.ndarray | None = None) -> None:
+    def put(
+        self,
+        table: str,
+        ids: np.ndarray,
+        rows: np.ndarray,
+        epoch: int,
+        tags: np.ndarray | None = None,
+    ) -> None:
         """Cache rows read from the store when the table's epoch was ``epoch``; if rows were
         invalidated since (a live update raced the read), the read may be stale: drop it.
         ``tags`` [n]: the id each row held when read (dynamic tables)."""

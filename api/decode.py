@@ -132,7 +132,8 @@ def predict_request(body: bytes) -> PredictRequest:
         except ValidationError as exc:
             errors = exc.errors(include_url=False, include_input=False)
             raise RequestValidationError(
-                [{**e, "loc": ("instances", lo + e["loc"][0], *e["loc"][1:])} for e in errors]) from None
+                [{**e, "loc": ("instances", lo + e["loc"][0], *e["loc"][1:])} for e in errors]
+            ) from None
     return PredictRequest.model_construct(instances=validated)
 
 

@@ -31,7 +31,8 @@ OPEN_PAGES = frozenset({DOCS, REDOC})
 
 _KEY_FORM = """
 <form id="dlrm-key" style="font-family:sans-serif;padding:8px 16px;background:#f4f4f4;margin:0"
-      onsubmit="sessionStorage.setItem('dlrm-api-key', this.key.value); location.reload(); return false">
+      onsubmit="sessionStorage.setItem('dlrm-api-key', this.key.value);
+                location.reload(); return false">
   <label>API key <input name="key" type="password" autocomplete="off" size="48"></label>
   <button type="submit">Use key</button>
   <span id="dlrm-key-state"></span>
@@ -47,7 +48,8 @@ _NO_KEY = "<script>const dlrmKey = () => null;</script>"
 
 def _page(title: str, head: str, body: str, secured: bool) -> HTMLResponse:
     html = f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<html><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{title}</title><link rel="icon" href="{ASSETS}/favicon.png">{head}</head>
 <body style="margin:0">{_KEY_FORM if secured else _NO_KEY}{body}</body></html>"""
     return HTMLResponse(html, headers={"Cache-Control": "no-store"})
@@ -74,18 +76,21 @@ def redoc_html(title: str, openapi_url: str, secured: bool) -> HTMLResponse:
     body = f"""<div id="redoc"></div>
 <script src="{ASSETS}/redoc.standalone.js"></script>
 <script>
-  fetch({json.dumps(openapi_url)}, {{headers: dlrmKey() ? {{'Authorization': 'Bearer ' + dlrmKey()}} : {{}}}})
+  const headers = dlrmKey() ? {{'Authorization': 'Bearer ' + dlrmKey()}} : {{}};
+  fetch({json.dumps(openapi_url)}, {{headers}})
     .then((r) => r.ok ? r.json() : Promise.reject(r.status))
     .then((spec) => Redoc.init(spec, {{}}, document.getElementById('redoc')))
     .catch((status) => {{
-      document.getElementById('redoc').textContent = 'the API document could not be loaded (' + status + ')';
+      document.getElementById('redoc').textContent =
+          'the API document could not be loaded (' + status + ')';
     }});
 </script>"""
     return _page(f"{title} - ReDoc", "", body, secured)
 
 
 def install(app: FastAPI, secured: bool) -> None:
-    """Serve both pages and their assets (the app is built with ``docs_url=None, redoc_url=None``)."""
+    """Serve both pages and their assets (the app is built with ``docs_url=None,
+    redoc_url=None``)."""
     app.mount(ASSETS, StaticFiles(directory=ASSET_DIR), name="docs-assets")
 
     @app.get(DOCS, include_in_schema=False)

@@ -75,7 +75,9 @@ def protocol_of(path: str) -> str:
     return "v2" if path == "/v2" or path.startswith("/v2/") else "v1"
 
 
-def error_body(path: str, message: str, field: str | None = None, detail=None, request_id: str | None = None) -> dict:
+def error_body(
+    path: str, message: str, field: str | None = None, detail=None, request_id: str | None = None
+) -> dict:
     """The error body of the protocol that ``path`` belongs to."""
     if protocol_of(path) == "v2":
         body: dict = {"error": message}
@@ -88,15 +90,27 @@ def error_body(path: str, message: str, field: str | None = None, detail=None, r
     return body
 
 
-def error_response(status: int, message: str, field: str | None = None, detail=None, headers=None,
-                   path: str = "/v1") -> JSONResponse:
-    return JSONResponse(error_body(path, message, field, detail), status_code=status, headers=headers)
+def error_response(
+    status: int,
+    message: str,
+    field: str | None = None,
+    detail=None,
+    headers=None,
+    path: str = "/v1",
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(path, message, field, detail), status_code=status, headers=headers
+    )
 
 
 def _loc(loc) -> str:
     parts = [str(p) for p in loc if p not in ("body",)]
     # Drop the union tags pydantic adds ("positional", "named", "constrained-str", ...).
-    return ".".join(p for p in parts if not p.startswith(("positional", "named", "constrained", "list[", "int", "str")))
+    return ".".join(
+        p
+        for p in parts
+        if not p.startswith(("positional", "named", "constrained", "list[", "int", "str"))
+    )
 
 
 def register_error_handlers(app: FastAPI, retry_after_s: int) -> None:
@@ -110,10 +124,18 @@ def register_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_validation(request: Request, exc: RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-        field = "body" if first.get("type") == "json_invalid" else (_loc(first.get("loc", ())) or "body")
+        field = (
+            "body"
+            if first.get("type") == "json_invalid"
+            else (_loc(first.get("loc", ())) or "body")
+        )
         # Never echo the input back (it may be huge, or NaN, which JSON cannot carry).
         detail = [
-            {"field": _loc(e.get("loc", ())) or "body", "msg": str(e.get("msg")), "type": str(e.get("type"))}
+            {
+                "field": _loc(e.get("loc", ())) or "body",
+                "msg": str(e.get("msg")),
+                "type": str(e.get("type")),
+            }
             for e in errors[:20]
         ]
         return respond(request, 422, f"{field}: {first.get('msg')}", field, detail)
@@ -132,7 +154,9 @@ def register_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     @app.exception_handler(Unauthorized)
     async def on_unauthorized(request: Request, exc: Unauthorized):
-        return respond(request, 401, str(exc), "Authorization", headers={"WWW-Authenticate": "Bearer"})
+        return respond(
+            request, 401, str(exc), "Authorization", headers={"WWW-Authenticate": "Bearer"}
+        )
 
     @app.exception_handler(NotReady)
     async def on_not_ready(request: Request, exc: NotReady):
@@ -148,12 +172,19 @@ def register_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     @app.exception_handler(VersionNotFound)
     async def on_version_gone(request: Request, exc: VersionNotFound):
-        return respond(request, 503, f"version {exc.version} left the store; loading the current one", headers=retry)
+        return respond(
+            request,
+            503,
+            f"version {exc.version} left the store; loading the current one",
+            headers=retry,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         field = "body" if exc.status_code == 413 else None
-        return respond(request, exc.status_code, str(exc.detail), field, headers=getattr(exc, "headers", None))
+        return respond(
+            request, exc.status_code, str(exc.detail), field, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(DlrmError)
     async def on_dlrm(request: Request, exc: DlrmError):

@@ -21,7 +21,8 @@ before), answers POSTs to the scoring routes itself with the same handler functi
       arriving while no other scoring request is in flight, on a local store (memory-mapped
       files; never a network round trip), or on a remote store when every row it reads is in the
       row cache (checked before scoring starts; one that would need a round trip is handed to
-      the pool from its body: ``api/inline.py``), is scored on the event loop itself. Its work is bounded
+      the pool from its body: ``api/inline.py``), is scored on the event loop itself. Its work is
+      bounded
       by its size (a fraction of a millisecond), it saves the thread hop and, on a shared machine,
       the cold caches of waking a second thread (measured: most of a lone request's CPU). A small
       body arriving while other requests are in flight, with dynamic batching on, takes its
@@ -107,14 +108,21 @@ class FastScoring:
         handlers: template -> handler of the scoring routes.
     """
 
-    def __init__(self, app, routes: list[tuple[str, str]], handlers: dict[str, Handler],
-                 inline_max_bytes: int = 0, staged: dict[str, Staged] | None = None,
-                 slots: CpuSlots | None = None) -> None:
+    def __init__(
+        self,
+        app,
+        routes: list[tuple[str, str]],
+        handlers: dict[str, Handler],
+        inline_max_bytes: int = 0,
+        staged: dict[str, Staged] | None = None,
+        slots: CpuSlots | None = None,
+    ) -> None:
         self.app = app
         self.inline_max_bytes = inline_max_bytes
         self.slots = slots or CpuSlots(THREADS)
         self._admitted: asyncio.Semaphore | None = None
-        """Requests in pool threads at once (``ADMITTED_PER_SLOT`` per CPU slot; made on the loop)."""
+        """Requests in pool threads at once (``ADMITTED_PER_SLOT`` per CPU slot; made on the
+        loop)."""
         """Pool threads doing CPU work at once (a wait for the batcher gives the slot back)."""
         self.in_flight = 0
         """Scoring requests between their arrival and their answer (this process's loop)."""
@@ -122,9 +130,14 @@ class FastScoring:
         staged = staged or {}
         missing = (set(handlers) | set(staged)) - set(posts)
         if missing or set(staged) - set(handlers):
-            raise ValueError(f"fast-path handlers without a POST route or staged without a handler: "
-                             f"{sorted(missing | (set(staged) - set(handlers)))}")
-        self.routes = [FastRoute(t, compile_path(t)[0], handlers.get(t), staged.get(t)) for t in dict.fromkeys(posts)]
+            raise ValueError(
+                f"fast-path handlers without a POST route or staged without a handler: "
+                f"{sorted(missing | (set(staged) - set(handlers)))}"
+            )
+        self.routes = [
+            FastRoute(t, compile_path(t)[0], handlers.get(t), staged.get(t))
+            for t in dict.fromkeys(posts)
+        ]
 
     def match(self, scope) -> tuple[FastRoute, dict[str, str]] | None:
         path = get_route_path(scope)
@@ -156,29 +169,35 @@ class FastScoring:
             if inspect.iscoroutinefunction(handler):
                 response = await handler(request, exc)
             else:
-                response = await asyncio.get_running_loop().run_in_executor(pool(), handler, request, exc)
+                response = await asyncio.get_running_loop().run_in_executor(
+                    pool(), handler, request, exc
+                )
         finally:
             self.in_flight -= 1
         await response(scope, receive, send)
 
-    async def _in_pool(self, route: FastRoute, service, params: dict[str, str], body: bytes,
-                       headers: Headers) -> Response:
+    async def _in_pool(
+        self, route: FastRoute, service, params: dict[str, str], body: bytes, headers: Headers
+    ) -> Response:
         """The handler's response from a pool thread holding one of ``pool_concurrency`` CPU
         slots (``api/slots.py``): fewer threads contending for the GIL, so the loop (probes, new
         connections, small requests) gets it within a switch interval or two."""
         ctx = contextvars.copy_context()  # the request id, for the handler's log lines
         if self._admitted is None:
             self._admitted = asyncio.Semaphore(ADMITTED_PER_SLOT * self.slots.n)
-        async with self._admitted:  # the others wait here, holding no thread and no memory of a batch
+        # the others wait here, holding no thread and no memory of a batch
+        async with self._admitted:
             return await asyncio.get_running_loop().run_in_executor(
-                pool(), ctx.run, self._held, route.handler, service, params, body, headers)
+                pool(), ctx.run, self._held, route.handler, service, params, body, headers
+            )
 
     def _held(self, handler: Handler, *args) -> Response:
         with self.slots.held():
             return handler(*args)
 
-    async def _on_loop(self, route: FastRoute, service, params: dict[str, str], body: bytes,
-                       headers: Headers) -> Response | None:
+    async def _on_loop(
+        self, route: FastRoute, service, params: dict[str, str], body: bytes, headers: Headers
+    ) -> Response | None:
         """The response of a small request answered here on the event loop (alone: scored here;
         beside others: prepared here, scored by the batcher thread), or None: the pool's."""
         if len(body) > self.inline_max_bytes:
@@ -199,7 +218,8 @@ class FastScoring:
 
     async def _alone(self, service) -> bool:
         """Whether a small request is scored on the loop: a local store or a row cache, the only
-        one in flight once the requests that arrived with it have started (a small body is read without
+        one in flight once the requests that arrived with it have started (a small body is read
+        without
         yielding: without one pass of the loop, requests arriving together would each find
         themselves alone and run one after another on the loop, never batched)."""
         if self.in_flight != 1:
@@ -210,7 +230,9 @@ class FastScoring:
         return self.in_flight == 1
 
 
-def on_loop(handler: Handler, service, params: dict[str, str], body: bytes, headers: Headers) -> Response | None:
+def on_loop(
+    handler: Handler, service, params: dict[str, str], body: bytes, headers: Headers
+) -> Response | None:
     """The handler's response, run here on the event loop; None when a remote store's request
     would need a round trip (``api/inline.py``): the caller runs it again in the pool."""
     if not service.store.remote:

@@ -44,8 +44,10 @@ class _Rejected(Exception):
 
 
 def _answer(status: int, reason: str) -> bytes:
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            f"content-length: {len(reason) + 13}\r\n\r\n{{\"error\": \"{reason}\"}}").encode()
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        f'content-length: {len(reason) + 13}\r\n\r\n{{"error": "{reason}"}}'
+    ).encode()
 
 
 class GuardedHttpTools(HttpToolsProtocol):
@@ -86,7 +88,8 @@ class GuardedHttpTools(HttpToolsProtocol):
             return
         self._close(None)  # the app is reading the body: it sees a disconnect
 
-    # -- the connection and the parser's callbacks ----------------------------------------------------
+    # -- the connection and the parser's callbacks
+    # ----------------------------------------------------
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm(self.header_timeout_s, self._headers_late)  # until the first request's headers
@@ -155,15 +158,22 @@ class GuardedHttpTools(HttpToolsProtocol):
     def _answer_probe(self) -> bool:
         """Answer a probe now, if this request is one and nothing is in flight before it."""
         answers = probes.installed()
-        if answers is None or self.parser.get_method() != b"GET" or (self.cycle and not self.cycle.response_complete):
+        if (
+            answers is None
+            or self.parser.get_method() != b"GET"
+            or (self.cycle and not self.cycle.response_complete)
+        ):
             return False
         answer = answers.answer(httptools.parse_url(self.url).path.decode("latin-1"))
         if answer is None:
             return False
         status, body = answer
         self._keep = self.parser.should_keep_alive()
-        head = [f"HTTP/1.1 {status} {'OK' if status == 200 else 'Service Unavailable'}",
-                "content-type: application/json", f"content-length: {len(body)}"]
+        head = [
+            f"HTTP/1.1 {status} {'OK' if status == 200 else 'Service Unavailable'}",
+            "content-type: application/json",
+            f"content-length: {len(body)}",
+        ]
         head += ["retry-after: 2"] if status != 200 else []
         head += [] if self._keep else ["connection: close"]
         self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
@@ -177,5 +187,6 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._close(None)
             return
         if not self.transport.is_closing():
-            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
-                                                                self.timeout_keep_alive_handler)
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )

@@ -22,8 +22,14 @@ from embedding_server.stores import ServingStore
 from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, dequantize_rows
 
 
-def dynamic_rows(model: ServingModel, metrics: ServingMetrics | None, ids: np.ndarray, offsets: np.ndarray,
-                 batch: int, demote: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+def dynamic_rows(
+    model: ServingModel,
+    metrics: ServingMetrics | None,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    batch: int,
+    demote: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
     """ids int64 [N] with each dynamic table's raw ids replaced by their rows (not admitted: the
     id's shared row) -> (rows [N], the id each row must hold int64 [N], NO_OWNER where any:
     shared rows, hashed tables; None without dynamic tables, or in a version without owners, whose
@@ -55,17 +61,20 @@ def dynamic_rows(model: ServingModel, metrics: ServingMetrics | None, ids: np.nd
 
 
 def _table_rows(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int):
-    """Per table: its distinct rows over all its features, and each feature's ids as indices into them.
+    """Per table: its distinct rows over all its features, and each feature's ids as indices into
+    them.
 
     One ``np.unique`` over every table at once, on keys ``table << 40 | row``: -> (uniques per
     table, per feature its indices into its table's uniques, the same indices into all tables'
     uniques concatenated in table order).
     """
     tables = model.feature_tables
-    counts = np.diff(offsets[:: batch]) if batch else np.zeros(len(tables), np.int64)  # ids per feature [F]
+    # ids per feature [F]
+    counts = np.diff(offsets[::batch]) if batch else np.zeros(len(tables), np.int64)
     keys = (np.repeat(np.asarray(tables, dtype=np.int64), counts) << ROW_BITS) | ids
     uniq, inverse = np.unique(keys, return_inverse=True)
-    bounds = np.searchsorted(uniq >> ROW_BITS, np.arange(len(model.spec.tables) + 1))  # table t: bounds[t:t+2]
+    # table t: bounds[t:t+2]
+    bounds = np.searchsorted(uniq >> ROW_BITS, np.arange(len(model.spec.tables) + 1))
     rows = uniq & ROW_MASK
     uniques = {t: rows[bounds[t] : bounds[t + 1]] for t in set(tables)}
     local, start = {}, 0
@@ -80,8 +89,13 @@ ROW_BITS = 40
 ROW_MASK = (1 << ROW_BITS) - 1
 
 
-def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, uniques: dict[int, np.ndarray],
-           expect: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+def _fetch(
+    store: ServingStore,
+    metrics: ServingMetrics,
+    model: ServingModel,
+    uniques: dict[int, np.ndarray],
+    expect: dict[int, np.ndarray],
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
     """Rows as stored [U_t, W_t] of every table's distinct ids: cache, store, defaults; ``expect``
     (dynamic tables: the id each row must hold [U_t], NO_OWNER: any) -> (rows, per dynamic
     table the rows that hold another id now, bool [U_t])."""
@@ -91,10 +105,19 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
     hits: dict[int, np.ndarray] = {}
     need: dict[str, np.ndarray] = {}
     for t, uniq in uniques.items():
-        rows, hit = (cache.get(tables[t].name, uniq, expect.get(t)) if cache is not None
-                     else (None, np.zeros(len(uniq), bool)))
-        out[t] = rows if rows is not None else np.empty(  # (a gather: the cache's own copy)
-            (len(uniq), len(model.stored_defaults[tables[t].name])), NUMPY_DTYPE[model.row_dtype])
+        rows, hit = (
+            cache.get(tables[t].name, uniq, expect.get(t))
+            if cache is not None
+            else (None, np.zeros(len(uniq), bool))
+        )
+        out[t] = (
+            rows
+            if rows is not None
+            else np.empty(  # (a gather: the cache's own copy)
+                (len(uniq), len(model.stored_defaults[tables[t].name])),
+                NUMPY_DTYPE[model.row_dtype],
+            )
+        )
         hits[t] = hit
         if not hit.all():
             need[tables[t].name] = uniq[~hit]
@@ -114,7 +137,9 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
         if checks:  # dynamic tables: each row with the id it holds (a map may lag the rows)
             fetched = store.get_checked_rows_many(model.version, need, checks)
         else:
-            fetched = {k: (*v, None) for k, v in store.get_stored_rows_many(model.version, need).items()}
+            fetched = {
+                k: (*v, None) for k, v in store.get_stored_rows_many(model.version, need).items()
+            }
         metrics.store_latency.labels(operation="lookup").observe(time.perf_counter() - t0)
     for t in uniques:
         name = tables[t].name
@@ -132,7 +157,8 @@ def _fetch(store: ServingStore, metrics: ServingMetrics, model: ServingModel, un
             stale[t] = np.zeros(len(uniques[t]), bool)
             stale[t][np.flatnonzero(~hits[t])[~owned]] = True
         if cache is not None:  # default rows too: a row absent now stays absent until a live
-            tags = checks[name][keep] if owned is not None else None  # update writes it (and invalidates it)
+            # update writes it (and invalidates it)
+            tags = checks[name][keep] if owned is not None else None
             cache.put(name, need[name][keep], got[keep], epochs[name], tags)
     return out, stale
 
@@ -145,23 +171,40 @@ FEW = 16
 """One-hot requests of at most this many examples try the direct gathers below first."""
 
 
-def _one_hot(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int, most: int | None) -> bool:
+def _one_hot(
+    model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int, most: int | None
+) -> bool:
     """At most ``most`` examples (None: any number), one id in every bag (ids [F * B], offsets
     [F * B + 1] = 0, 1, ..., F * B)."""
     n = len(model.feature_tables) * batch
-    return (most is None or batch <= most) and len(ids) == n and len(offsets) == n + 1 and int(offsets[-1]) == n and (
-        n == 0 or bool((offsets[1:] > offsets[:-1]).all()))
+    return (
+        (most is None or batch <= most)
+        and len(ids) == n
+        and len(offsets) == n + 1
+        and int(offsets[-1]) == n
+        and (n == 0 or bool((offsets[1:] > offsets[:-1]).all()))
+    )
 
 
 def all_cached(model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int) -> bool:
     """Whether a request's rows are all in the row cache, so that ``embed`` takes the direct
     gather and reads nothing from the store (no dynamic table, few one-hot examples)."""
-    return (model.cache is not None and not model.id_maps and _one_hot(model, ids, offsets, batch, FEW)
-            and model.cache.holds(model.table_names, ids.tolist(), batch))
+    return (
+        model.cache is not None
+        and not model.id_maps
+        and _one_hot(model, ids, offsets, batch, FEW)
+        and model.cache.holds(model.table_names, ids.tolist(), batch)
+    )
 
 
-def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
-            batch: int, expect: np.ndarray | None = None) -> torch.Tensor | None:
+def _direct(
+    metrics: ServingMetrics,
+    model: ServingModel,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    batch: int,
+    expect: np.ndarray | None = None,
+) -> torch.Tensor | None:
     """Pooled embeddings float [B, sum(D_f)] of one-hot examples gathered straight into one
     array (int8 / int4 rows: their bytes, dequantized with numpy): from the tables' mappings
     (file store, any number of examples: one gather per table; dynamic tables' rows checked
@@ -173,7 +216,8 @@ def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offse
     if not _one_hot(model, ids, offsets, batch, None if model.mapped is not None else FEW):
         return None
     columns = model.stored_columns  # feature f: columns[f]:columns[f + 1] of a row as stored
-    if model.mapped and batch == 1:  # a row view per feature, one copy of them all (no fancy index per table)
+    # a row view per feature, one copy of them all (no fancy index per table)
+    if model.mapped and batch == 1:
         out = np.concatenate(list(map(np.ndarray.__getitem__, model.mapped, ids.tolist())))[None]
     else:
         out = np.empty((batch, columns[-1]), dtype=NUMPY_DTYPE[model.row_dtype])  # [B, sum W_f]
@@ -182,7 +226,9 @@ def _direct(metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offse
     if model.mapped is not None:
         if expect is not None and not _owned(model, ids, expect, batch):
             return None
-    elif expect is not None or not model.cache.gather(model.table_names, ids.tolist(), out, columns):
+    elif expect is not None or not model.cache.gather(
+        model.table_names, ids.tolist(), out, columns
+    ):
         return None
     distinct = _distinct_rows(model, ids, batch)
     metrics.lookups.inc(distinct)
@@ -196,7 +242,9 @@ def _distinct_rows(model: ServingModel, ids: np.ndarray, batch: int) -> int:
     if batch == 1 and model.distinct_tables:  # one row per table
         return len(ids)
     if batch <= FEW:
-        return len(set(zip(np.repeat(model.feature_tables, batch).tolist(), ids.tolist(), strict=True)))
+        return len(
+            set(zip(np.repeat(model.feature_tables, batch).tolist(), ids.tolist(), strict=True))
+        )
     keys = (np.repeat(np.asarray(model.feature_tables, dtype=np.int64), batch) << ROW_BITS) | ids
     return len(np.unique(keys))
 
@@ -213,8 +261,13 @@ def _as_float(model: ServingModel, out: np.ndarray) -> np.ndarray:
         rows = out.reshape(batch * len(dims), -1)  # [B * F, W]
         return dequantize_rows(rows, dims[0], model.row_dtype).reshape(batch, -1)
     stored = model.stored_columns
-    return np.concatenate([dequantize_rows(out[:, stored[f] : stored[f + 1]], d, model.row_dtype)
-                           for f, d in enumerate(dims)], axis=1)
+    return np.concatenate(
+        [
+            dequantize_rows(out[:, stored[f] : stored[f + 1]], d, model.row_dtype)
+            for f, d in enumerate(dims)
+        ],
+        axis=1,
+    )
 
 
 def _owned(model: ServingModel, ids: np.ndarray, expect: np.ndarray, batch: int) -> bool:
@@ -231,9 +284,16 @@ def _owned(model: ServingModel, ids: np.ndarray, expect: np.ndarray, batch: int)
     return True
 
 
-def _expected(model: ServingModel, uniques: dict[int, np.ndarray], inverse: dict[int, np.ndarray],
-              expect: np.ndarray | None, offsets: np.ndarray, batch: int) -> dict[int, np.ndarray]:
-    """The id each distinct row of a dynamic table must hold, int64 [U_t] per table (NO_OWNER: any)."""
+def _expected(
+    model: ServingModel,
+    uniques: dict[int, np.ndarray],
+    inverse: dict[int, np.ndarray],
+    expect: np.ndarray | None,
+    offsets: np.ndarray,
+    batch: int,
+) -> dict[int, np.ndarray]:
+    """The id each distinct row of a dynamic table must hold, int64 [U_t] per table (NO_OWNER:
+    any)."""
     if expect is None:
         return {}
     out: dict[int, np.ndarray] = {}
@@ -244,8 +304,14 @@ def _expected(model: ServingModel, uniques: dict[int, np.ndarray], inverse: dict
     return out
 
 
-def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids: np.ndarray, offsets: np.ndarray,
-          batch: int) -> torch.Tensor:
+def embed(
+    store: ServingStore,
+    metrics: ServingMetrics,
+    model: ServingModel,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    batch: int,
+) -> torch.Tensor:
     """Pooled embeddings float [B, sum(D_f)] of a feature-major id batch."""
     spec = model.spec
     raw = ids
@@ -254,16 +320,26 @@ def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids
     if direct is not None:
         return direct
     uniques, inverse, joint = _table_rows(model, ids, offsets, batch)
-    rows, stale = _fetch(store, metrics, model, uniques, _expected(model, uniques, inverse, expect, offsets, batch))
+    rows, stale = _fetch(
+        store, metrics, model, uniques, _expected(model, uniques, inverse, expect, offsets, batch)
+    )
     demote, passes = np.zeros(len(ids), bool), 1
-    while stale:  # rows given to other ids than this replica's map says: those ids read their shared row
-        for f, t in enumerate(model.feature_tables):  # (checked again: live updates go on meanwhile)
+    # rows given to other ids than this replica's map says: those ids read their shared row
+    while stale:
+        # (checked again: live updates go on meanwhile)
+        for f, t in enumerate(model.feature_tables):
             if t in stale:
                 lo, hi = offsets[f * batch], offsets[(f + 1) * batch]
                 demote[lo:hi] |= stale[t][inverse[f]] if passes < STALE_PASSES else True
         ids, expect = dynamic_rows(model, None, raw, offsets, batch, demote)
         uniques, inverse, joint = _table_rows(model, ids, offsets, batch)
-        rows, stale = _fetch(store, metrics, model, uniques, _expected(model, uniques, inverse, expect, offsets, batch))
+        rows, stale = _fetch(
+            store,
+            metrics,
+            model,
+            uniques,
+            _expected(model, uniques, inverse, expect, offsets, batch),
+        )
         passes += 1
     if not len(spec.categorical):
         return torch.zeros(batch, 0)
@@ -271,10 +347,13 @@ def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids
         return model.pooler(rows, inverse, offsets, batch)
     if model.row_dtype != "fp32":
         rows = {t: r.astype(np.float32) for t, r in rows.items()}
-    if model.uniform_dim and len(ids) == len(spec.categorical) * batch:  # one-hot, one D: one gather
+    # one-hot, one D: one gather
+    if model.uniform_dim and len(ids) == len(spec.categorical) * batch:
         table_rows = np.concatenate([rows[t] for t in sorted(rows)])  # [sum U_t, D], table order
         gathered = table_rows[joint].reshape(len(spec.categorical), batch, -1)  # [F, B, D]
-        return torch.from_numpy(np.ascontiguousarray(gathered.transpose(1, 0, 2)).reshape(batch, -1))
+        return torch.from_numpy(
+            np.ascontiguousarray(gathered.transpose(1, 0, 2)).reshape(batch, -1)
+        )
     pooled = []
     for f, t in enumerate(model.feature_tables):
         weight = torch.from_numpy(rows[t])  # [U_t, D_t]
@@ -284,6 +363,9 @@ def embed(store: ServingStore, metrics: ServingMetrics, model: ServingModel, ids
             pooled.append(weight[inv])  # [B, D_t]
         else:
             bag_offsets = torch.from_numpy(offsets[f * batch : (f + 1) * batch + 1] - lo)
-            pooled.append(nnf.embedding_bag(inv, weight, bag_offsets, mode=spec.tables[t].pooling,
-                                            include_last_offset=True))
+            pooled.append(
+                nnf.embedding_bag(
+                    inv, weight, bag_offsets, mode=spec.tables[t].pooling, include_last_offset=True
+                )
+            )
     return torch.cat(pooled, dim=1)

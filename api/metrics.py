@@ -43,50 +43,105 @@ class ServingMetrics:
         self.registry = None if self.multiprocess_dir else CollectorRegistry()
         r = self.registry
         self.latency = Histogram(
-            "dlrm_request_latency_seconds", "Request latency by route template, method and status",
-            ["route", "method", "status"], buckets=LATENCY_BUCKETS, registry=r)
+            "dlrm_request_latency_seconds",
+            "Request latency by route template, method and status",
+            ["route", "method", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.batch_size = Histogram(
-            "dlrm_batch_instances", "Examples per scored request, by input kind (instances, lines, tensors)",
-            ["input"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), registry=r)
+            "dlrm_batch_instances",
+            "Examples per scored request, by input kind (instances, lines, tensors)",
+            ["input"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+            registry=r,
+        )
         self.model_batch_requests = Histogram(
-            "dlrm_model_batch_requests", "Requests coalesced into one model call (dynamic batching; 1: alone)",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+            "dlrm_model_batch_requests",
+            "Requests coalesced into one model call (dynamic batching; 1: alone)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
         self.model_batch_examples = Histogram(
-            "dlrm_model_batch_examples", "Examples scored by one model call (all its requests' together)",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096), registry=r)
+            "dlrm_model_batch_examples",
+            "Examples scored by one model call (all its requests' together)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+            registry=r,
+        )
         self.store_latency = Histogram(
-            "dlrm_store_seconds", "Store round trips by operation (lookup: a request's rows; poll: "
-            "current version and live updates; load: a whole version)", ["operation"],
-            buckets=LATENCY_BUCKETS, registry=r)
-        self.cache_hits = Counter("dlrm_cache_hits_total", "Row lookups served by the row cache", registry=r)
-        self.cache_misses = Counter("dlrm_cache_misses_total", "Row lookups that went to the store", registry=r)
+            "dlrm_store_seconds",
+            "Store round trips by operation (lookup: a request's rows; poll: "
+            "current version and live updates; load: a whole version)",
+            ["operation"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cache_hits = Counter(
+            "dlrm_cache_hits_total", "Row lookups served by the row cache", registry=r
+        )
+        self.cache_misses = Counter(
+            "dlrm_cache_misses_total", "Row lookups that went to the store", registry=r
+        )
         self.lookups = Counter("dlrm_row_lookups_total", "Distinct rows looked up", registry=r)
         self.unknown_ids = Counter(
-            "dlrm_unknown_ids_total", "Ids served their table's default row: rows missing from a version "
-            "the store holds, ids a dynamic table never admitted", ["table"], registry=r)
-        self.store_errors = Counter("dlrm_store_errors_total", "Failed store calls", ["operation"], registry=r)
+            "dlrm_unknown_ids_total",
+            "Ids served their table's default row: rows missing from a version "
+            "the store holds, ids a dynamic table never admitted",
+            ["table"],
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "dlrm_store_errors_total", "Failed store calls", ["operation"], registry=r
+        )
         self.reloads = Counter(
-            "dlrm_version_loads_total", "Versions loaded, by reason (new: the store's current one moved or "
-            "a request pinned it; lost: live updates were trimmed; vanished: the version was deleted)",
-            ["reason"], registry=r)
-        self.live_updates = Counter("dlrm_live_row_updates_total", "Rows refreshed by live updates", registry=r)
+            "dlrm_version_loads_total",
+            "Versions loaded, by reason (new: the store's current one moved or "
+            "a request pinned it; lost: live updates were trimmed; vanished: the version was "
+            "deleted)",
+            ["reason"],
+            registry=r,
+        )
+        self.live_updates = Counter(
+            "dlrm_live_row_updates_total", "Rows refreshed by live updates", registry=r
+        )
         self.model_version = Gauge(
-            "dlrm_model_version_info", "The version being served (1) by some live worker", ["version"],
-            multiprocess_mode="livemax", registry=r)
+            "dlrm_model_version_info",
+            "The version being served (1) by some live worker",
+            ["version"],
+            multiprocess_mode="livemax",
+            registry=r,
+        )
         self.generation = Gauge(
-            "dlrm_model_generation", "Live updates applied to the served version (lowest over workers)",
-            multiprocess_mode="livemin", registry=r)
+            "dlrm_model_generation",
+            "Live updates applied to the served version (lowest over workers)",
+            multiprocess_mode="livemin",
+            registry=r,
+        )
         self.published_at = Gauge(
-            "dlrm_model_published_timestamp_seconds", "Publish time of the served version (oldest over workers)",
-            multiprocess_mode="livemin", registry=r)
+            "dlrm_model_published_timestamp_seconds",
+            "Publish time of the served version (oldest over workers)",
+            multiprocess_mode="livemin",
+            registry=r,
+        )
         self.last_sync = Gauge(
-            "dlrm_store_last_sync_timestamp_seconds", "Last time a worker caught up with the store "
-            "(oldest over workers)", multiprocess_mode="livemin", registry=r)
+            "dlrm_store_last_sync_timestamp_seconds",
+            "Last time a worker caught up with the store (oldest over workers)",
+            multiprocess_mode="livemin",
+            registry=r,
+        )
         self.update_lag = Gauge(
-            "dlrm_live_update_lag_seconds", "Delay between a live update's write and its application, at the "
-            "last poll that applied some (worst worker)", multiprocess_mode="livemax", registry=r)
-        self.ready = Gauge("dlrm_worker_ready", "1 once the worker has a model loaded (per worker: pid)",
-                           multiprocess_mode="liveall", registry=r)
+            "dlrm_live_update_lag_seconds",
+            "Delay between a live update's write and its application, at the "
+            "last poll that applied some (worst worker)",
+            multiprocess_mode="livemax",
+            registry=r,
+        )
+        self.ready = Gauge(
+            "dlrm_worker_ready",
+            "1 once the worker has a model loaded (per worker: pid)",
+            multiprocess_mode="liveall",
+            registry=r,
+        )
         if r is not None:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
@@ -109,7 +164,8 @@ class ServingMetrics:
                 ready = sum(1 for s in family.samples if s.value >= 1)
         return ready, max(expected, 1)
 
-    # -- exposition ---------------------------------------------------------------------------------
+    # -- exposition
+    # ---------------------------------------------------------------------------------
     def _collect(self) -> list[Metric]:
         if self.registry is not None:
             return list(self.registry.collect())
@@ -136,8 +192,13 @@ class _Families:
 
 
 def _value(families: list[Metric], name: str) -> float | None:
-    values = [s.value for f in families if f.name == name for s in f.samples
-              if s.name in (name, f"{name}_total")]
+    values = [
+        s.value
+        for f in families
+        if f.name == name
+        for s in f.samples
+        if s.name in (name, f"{name}_total")
+    ]
     return sum(values) if values else None
 
 
@@ -145,12 +206,24 @@ def _derived(families: list[Metric], now: float) -> list[Metric]:
     out = []
     hits, misses = _value(families, "dlrm_cache_hits"), _value(families, "dlrm_cache_misses")
     if hits is not None and misses is not None and hits + misses > 0:
-        out.append(GaugeMetricFamily("dlrm_cache_hit_ratio", "Row lookups served by the row cache, since start",
-                                     value=hits / (hits + misses)))
+        out.append(
+            GaugeMetricFamily(
+                "dlrm_cache_hit_ratio",
+                "Row lookups served by the row cache, since start",
+                value=hits / (hits + misses),
+            )
+        )
     for source, name, doc in (
-        ("dlrm_model_published_timestamp_seconds", "dlrm_model_age_seconds", "Age of the oldest served version"),
-        ("dlrm_store_last_sync_timestamp_seconds", "dlrm_store_staleness_seconds",
-         "Seconds since the most lagging worker last caught up with the store"),
+        (
+            "dlrm_model_published_timestamp_seconds",
+            "dlrm_model_age_seconds",
+            "Age of the oldest served version",
+        ),
+        (
+            "dlrm_store_last_sync_timestamp_seconds",
+            "dlrm_store_staleness_seconds",
+            "Seconds since the most lagging worker last caught up with the store",
+        ),
     ):
         stamp = _value(families, source)
         if stamp is not None and stamp > 0 and math.isfinite(stamp):
@@ -189,7 +262,9 @@ def _worker_processes(directory: str) -> list[Metric]:
     merged: dict[str, Metric] = {}
     for pid in sorted(p for p in _pids(directory) if _alive(p)):
         for family in ProcessCollector(pid=lambda p=pid: p, registry=None).collect():
-            out = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            out = merged.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type)
+            )
             for sample in family.samples:
                 out.add_sample(sample.name, {**sample.labels, "pid": str(pid)}, sample.value)
     return list(merged.values())

@@ -84,7 +84,9 @@ class BodyLimit(_BodyMiddleware):
     async def http(self, scope, receive, send):
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            body = error_body(scope["path"], f"body of {int(length)} bytes, at most {self.limit}", "body")
+            body = error_body(
+                scope["path"], f"body of {int(length)} bytes, at most {self.limit}", "body"
+            )
             return await JSONResponse(body, status_code=413)(scope, receive, send)
         seen = 0
 
@@ -117,24 +119,34 @@ class ContentEncoding(_BodyMiddleware):
         codings = [c for c in codings if c != "identity"]
         unknown = [c for c in codings if c not in DECODERS]
         if unknown or len(codings) > 2:
-            message = f"Content-Encoding {clipped_header(coding)} is not taken: gzip, deflate or identity"
-            return await JSONResponse(error_body(scope["path"], message, "Content-Encoding"),
-                                      status_code=415)(scope, receive, send)
+            message = (
+                f"Content-Encoding {clipped_header(coding)} is not taken: gzip, deflate or identity"
+            )
+            return await JSONResponse(
+                error_body(scope["path"], message, "Content-Encoding"), status_code=415
+            )(scope, receive, send)
         try:
             body = await _read_all(receive)
         except StarletteHTTPException as exc:  # BodyLimit's, raised while reading
-            return await JSONResponse(error_body(scope["path"], str(exc.detail), "body"),
-                                      status_code=exc.status_code)(scope, receive, send)
+            return await JSONResponse(
+                error_body(scope["path"], str(exc.detail), "body"), status_code=exc.status_code
+            )(scope, receive, send)
         try:
             for c in reversed(codings):
                 body = _inflate(body, DECODERS[c], self.limit)
         except _Oversized:
             message = f"body larger than {self.limit} bytes once decoded"
-            return await JSONResponse(error_body(scope["path"], message, "body"), status_code=413)(scope, receive, send)
+            return await JSONResponse(error_body(scope["path"], message, "body"), status_code=413)(
+                scope, receive, send
+            )
         except zlib.error:
             message = f"body: not valid {'/'.join(codings)} data (Content-Encoding)"
-            return await JSONResponse(error_body(scope["path"], message, "body"), status_code=400)(scope, receive, send)
-        headers = [(k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")]
+            return await JSONResponse(error_body(scope["path"], message, "body"), status_code=400)(
+                scope, receive, send
+            )
+        headers = [
+            (k, v) for k, v in scope["headers"] if k not in (b"content-encoding", b"content-length")
+        ]
         scope = {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
         sent = False
 
@@ -226,17 +238,24 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER, rid.encode())]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (REQUEST_ID_HEADER, rid.encode()),
+                ]
             await send(message)
 
         try:
             await self.app(scope, receive, with_id)
         except Exception:
-            log.exception("unhandled error in %s %s", scope.get("method"), _printable(scope.get("path", "")))
+            log.exception(
+                "unhandled error in %s %s", scope.get("method"), _printable(scope.get("path", ""))
+            )
             if status == 0:  # nothing sent yet: answer properly
                 status = 500
                 body = error_body(scope["path"], "internal server error", request_id=rid)
-                await JSONResponse(body, status_code=500, headers={"X-Request-ID": rid})(scope, receive, send)
+                await JSONResponse(body, status_code=500, headers={"X-Request-ID": rid})(
+                    scope, receive, send
+                )
         finally:
             self._observe(scope, status or 500, time.perf_counter() - t0)
             REQUEST_ID.reset(token)
@@ -246,17 +265,34 @@ class RequestContext:
         service = getattr(app.state, "service", None) if app is not None else None
         route = route_template(scope, self.patterns)
         if service is not None:
-            self._latency(service.metrics.latency, route, scope.get("method", ""), status).observe(seconds)
+            self._latency(service.metrics.latency, route, scope.get("method", ""), status).observe(
+                seconds
+            )
         if self.access_log and access.isEnabledFor(logging.INFO):
             path = _printable(scope.get("path", ""))
             # The record made here, not by access.info: no walk of the stack for the caller's
             # file and line, which no access line prints (a line a request: every µs counts).
-            access.handle(access.makeRecord(
-                access.name, logging.INFO, __file__, 0, "%s %s %d %.2fms",
-                (scope.get("method"), path, status, seconds * 1e3), None, func="_observe",
-                extra={"fields": {"method": scope.get("method"), "route": route, "path": path,
-                                  "status": status, "ms": round(seconds * 1e3, 3)}}))
-
+            access.handle(
+                access.makeRecord(
+                    access.name,
+                    logging.INFO,
+                    __file__,
+                    0,
+                    "%s %s %d %.2fms",
+                    (scope.get("method"), path, status, seconds * 1e3),
+                    None,
+                    func="_observe",
+                    extra={
+                        "fields": {
+                            "method": scope.get("method"),
+                            "route": route,
+                            "path": path,
+                            "status": status,
+                            "ms": round(seconds * 1e3, 3),
+                        }
+                    },
+                )
+            )
 
     def _latency(self, histogram, route: str, method: str, status: int):
         """The child of ``histogram`` labelled (route, method, status), looked up once."""
@@ -265,7 +301,9 @@ class RequestContext:
         key = (route, method, status)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = histogram.labels(route=route, method=method, status=str(status))
+            child = self._children[key] = histogram.labels(
+                route=route, method=method, status=str(status)
+            )
         return child
 
 

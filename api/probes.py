@@ -47,7 +47,11 @@ class Probes:
                 if ready < workers:
                     answer = (503, {}, f"{ready} of {workers} workers have a model loaded")
                 else:
-                    answer = (200, {"status": "ready", "model_version": model.version, "workers": workers}, None)
+                    answer = (
+                        200,
+                        {"status": "ready", "model_version": model.version, "workers": workers},
+                        None,
+                    )
             self._ready = (now, *answer)
         return answer
 

@@ -34,29 +34,50 @@ NO_CACHE = torch.empty(0, dtype=torch.int32)
 class _Group:
     """The features of one pooling mode: one kernel call."""
 
-    def __init__(self, spec: FeatureSpec, features: list[int], row_dtype: RowDtype, pooling: str) -> None:
+    def __init__(
+        self, spec: FeatureSpec, features: list[int], row_dtype: RowDtype, pooling: str
+    ) -> None:
         self.features = features
         self.tables = sorted({spec.feature_tables[f] for f in features})
         slot = {t: i for i, t in enumerate(self.tables)}
         self.tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(spec.tables[t].name, 1, spec.tables[t].dim, SPARSE_TYPES[row_dtype],
-                              EmbeddingLocation.HOST) for t in self.tables],
+            embedding_specs=[
+                (
+                    spec.tables[t].name,
+                    1,
+                    spec.tables[t].dim,
+                    SPARSE_TYPES[row_dtype],
+                    EmbeddingLocation.HOST,
+                )
+                for t in self.tables
+            ],
             feature_table_map=[slot[spec.feature_tables[f]] for f in features],
-            pooling_mode=POOLING[pooling], device="cpu", output_dtype=SparseType.FP32,
+            pooling_mode=POOLING[pooling],
+            device="cpu",
+            output_dtype=SparseType.FP32,
         )
         self.tbe.initialize_weights()  # (one row a table: only its placements and offsets are used)
         self.widths = [row_width(spec.tables[t].dim, row_dtype) for t in self.tables]
 
-    def __call__(self, rows: dict[int, np.ndarray], local: dict[int, np.ndarray], offsets: np.ndarray,
-                 batch: int, spec: FeatureSpec) -> torch.Tensor:
+    def __call__(
+        self,
+        rows: dict[int, np.ndarray],
+        local: dict[int, np.ndarray],
+        offsets: np.ndarray,
+        batch: int,
+        spec: FeatureSpec,
+    ) -> torch.Tensor:
         """-> pooled float32 [B, sum of the group's D_f]."""
         blocks, table_offset, at = [], {}, 0
         for t, width in zip(self.tables, self.widths, strict=True):
             raw = rows[t]  # uint8 [U_t, W_t]: values, then scale and bias
-            blocks.append(np.concatenate([raw[:, -SCALE_BIAS_BYTES:], raw[:, :-SCALE_BIAS_BYTES]], axis=1))
+            blocks.append(
+                np.concatenate([raw[:, -SCALE_BIAS_BYTES:], raw[:, :-SCALE_BIAS_BYTES]], axis=1)
+            )
             table_offset[t] = at
             at += raw.shape[0] * width
-        weights = torch.from_numpy(np.concatenate([b.reshape(-1) for b in blocks]))  # uint8 [sum U_t W_t]
+        # uint8 [sum U_t W_t]
+        weights = torch.from_numpy(np.concatenate([b.reshape(-1) for b in blocks]))
         indices, bag_offsets, base = [], [np.zeros(1, np.int64)], 0
         for f in self.features:
             lo = offsets[f * batch]
@@ -65,17 +86,31 @@ class _Group:
             base += offsets[(f + 1) * batch] - lo
         tbe = self.tbe
         return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
-            dev_weights=weights, uvm_weights=tbe.weights_uvm, weights_placements=tbe.weights_placements,
-            weights_offsets=torch.tensor([table_offset[spec.feature_tables[f]] for f in self.features]),
-            weights_tys=tbe.weights_tys, D_offsets=tbe.D_offsets, total_D=tbe.total_D,
-            max_int2_D=tbe.max_int2_D, max_int4_D=tbe.max_int4_D, max_int8_D=tbe.max_int8_D,
-            max_float16_D=tbe.max_float16_D, max_float32_D=tbe.max_float32_D,
+            dev_weights=weights,
+            uvm_weights=tbe.weights_uvm,
+            weights_placements=tbe.weights_placements,
+            weights_offsets=torch.tensor(
+                [table_offset[spec.feature_tables[f]] for f in self.features]
+            ),
+            weights_tys=tbe.weights_tys,
+            D_offsets=tbe.D_offsets,
+            total_D=tbe.total_D,
+            max_int2_D=tbe.max_int2_D,
+            max_int4_D=tbe.max_int4_D,
+            max_int8_D=tbe.max_int8_D,
+            max_float16_D=tbe.max_float16_D,
+            max_float32_D=tbe.max_float32_D,
             indices=torch.from_numpy(np.concatenate(indices).astype(np.int64)),  # [N]
             offsets=torch.from_numpy(np.concatenate(bag_offsets)),  # [F_g * B + 1]
-            pooling_mode=int(tbe.pooling_mode), indice_weights=None, output_dtype=tbe.output_dtype,
-            lxu_cache_weights=tbe.lxu_cache_weights, lxu_cache_locations=NO_CACHE,
-            row_alignment=tbe.row_alignment, max_float8_D=tbe.max_float8_D,
-            fp8_exponent_bits=tbe.fp8_exponent_bits, fp8_exponent_bias=tbe.fp8_exponent_bias,
+            pooling_mode=int(tbe.pooling_mode),
+            indice_weights=None,
+            output_dtype=tbe.output_dtype,
+            lxu_cache_weights=tbe.lxu_cache_weights,
+            lxu_cache_locations=NO_CACHE,
+            row_alignment=tbe.row_alignment,
+            max_float8_D=tbe.max_float8_D,
+            fp8_exponent_bits=tbe.fp8_exponent_bits,
+            fp8_exponent_bias=tbe.fp8_exponent_bias,
         )
 
 
@@ -92,18 +127,28 @@ class QuantizedPooler:
         by_mode: dict[str, list[int]] = {}
         for f, t in enumerate(spec.feature_tables):
             by_mode.setdefault(spec.tables[t].pooling, []).append(f)
-        self.groups = [_Group(spec, features, row_dtype, mode) for mode, features in by_mode.items()]
+        self.groups = [
+            _Group(spec, features, row_dtype, mode) for mode, features in by_mode.items()
+        ]
         order = [f for g in self.groups for f in g.features]
         dims = [spec.tables[spec.feature_tables[f]].dim for f in order]
         starts = np.concatenate([[0], np.cumsum(dims)])
         # columns of the groups' outputs, put back in feature order (None: already in order)
         cols = {f: np.arange(starts[i], starts[i] + dims[i]) for i, f in enumerate(order)}
-        self.columns = None if order == sorted(order) else torch.from_numpy(
-            np.concatenate([cols[f] for f in range(len(order))]))
+        self.columns = (
+            None
+            if order == sorted(order)
+            else torch.from_numpy(np.concatenate([cols[f] for f in range(len(order))]))
+        )
 
     @torch.inference_mode()
-    def __call__(self, rows: dict[int, np.ndarray], local: dict[int, np.ndarray], offsets: np.ndarray,
-                 batch: int) -> torch.Tensor:
+    def __call__(
+        self,
+        rows: dict[int, np.ndarray],
+        local: dict[int, np.ndarray],
+        offsets: np.ndarray,
+        batch: int,
+    ) -> torch.Tensor:
         """Per table its distinct rows as stored (uint8 [U_t, W_t]), per feature its ids as indices
         into them and the request's bag offsets [F * B + 1] -> pooled float32 [B, sum(D_f)]."""
         out = torch.cat([g(rows, local, offsets, batch, self.spec) for g in self.groups], dim=1)

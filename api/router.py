@@ -19,18 +19,30 @@ from api.service import ModelService, Scored
 
 ERRORS = {
     401: {"model": ErrorBody, "description": "Missing or wrong bearer API key"},
-    404: {"model": ErrorBody, "description": "Unknown model name, or a version the store does not hold"},
-    413: {"model": ErrorBody, "description": "Request body, batch or ids over a cap (the error names it)"},
+    404: {
+        "model": ErrorBody,
+        "description": "Unknown model name, or a version the store does not hold",
+    },
+    413: {
+        "model": ErrorBody,
+        "description": "Request body, batch or ids over a cap (the error names it)",
+    },
     422: {"model": ErrorBody, "description": "Invalid request: the error names the field"},
-    503: {"model": ErrorBody, "description": "No model loaded, or the store is unavailable (see Retry-After)"},
+    503: {
+        "model": ErrorBody,
+        "description": "No model loaded, or the store is unavailable (see Retry-After)",
+    },
 }
 JSON_BODY = {
     "requestBody": {
         "required": True,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PredictRequest"}}},
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/PredictRequest"}}
+        },
     }
 }
-"""The body is read raw and decoded off the event loop (``api/decode.py``), so it is declared here."""
+"""The body is read raw and decoded off the event loop (``api/decode.py``), so it is declared
+here."""
 TSV_BODY = {
     "requestBody": {
         "required": True,
@@ -50,8 +62,11 @@ ServiceDep = Annotated[ModelService, Depends(get_service)]
 
 
 def _response(scored: Scored) -> PredictResponse:
-    return PredictResponse(predictions=scored.predictions, model_version=scored.version,
-                           model_generation=scored.generation)
+    return PredictResponse(
+        predictions=scored.predictions,
+        model_version=scored.version,
+        model_generation=scored.generation,
+    )
 
 
 router = APIRouter()
@@ -72,16 +87,26 @@ def _predict(service: ModelService, name: str, body: bytes, version: str | None)
     return _json(service.predict_json(name, body, version))
 
 
-@models.post("/{name}:predict", response_model=PredictResponse, openapi_extra=JSON_BODY,
-             summary="Score instances (the current version)")
+@models.post(
+    "/{name}:predict",
+    response_model=PredictResponse,
+    openapi_extra=JSON_BODY,
+    summary="Score instances (the current version)",
+)
 async def predict(name: str, request: Request, service: ServiceDep) -> Response:
     body = await request.body()  # decoded, validated and scored off the event loop
     return await run_in_threadpool(_predict, service, name, body, None)
 
 
-@models.post("/{name}/versions/{version}:predict", response_model=PredictResponse, openapi_extra=JSON_BODY,
-             summary="Score instances with a pinned version")
-async def predict_version(name: str, version: str, request: Request, service: ServiceDep) -> Response:
+@models.post(
+    "/{name}/versions/{version}:predict",
+    response_model=PredictResponse,
+    openapi_extra=JSON_BODY,
+    summary="Score instances with a pinned version",
+)
+async def predict_version(
+    name: str, version: str, request: Request, service: ServiceDep
+) -> Response:
     body = await request.body()
     return await run_in_threadpool(_predict, service, name, body, version)
 
@@ -91,14 +116,21 @@ def _predict_tsv(service: ModelService, name: str, text: bytes, version: str | N
 
 
 FAST_HANDLERS = {
-    "/v1/models/{name}:predict": lambda service, p, body, _: _predict(service, p["name"], body, None),
-    "/v1/models/{name}/versions/{version}:predict":
-        lambda service, p, body, _: _predict(service, p["name"], body, p["version"]),
-    "/v1/models/{name}:predict_tsv": lambda service, p, body, _: _predict_tsv(service, p["name"], body, None),
-    "/v1/models/{name}/versions/{version}:predict_tsv":
-        lambda service, p, body, _: _predict_tsv(service, p["name"], body, p["version"]),
+    "/v1/models/{name}:predict": lambda service, p, body, _: _predict(
+        service, p["name"], body, None
+    ),
+    "/v1/models/{name}/versions/{version}:predict": lambda service, p, body, _: _predict(
+        service, p["name"], body, p["version"]
+    ),
+    "/v1/models/{name}:predict_tsv": lambda service, p, body, _: _predict_tsv(
+        service, p["name"], body, None
+    ),
+    "/v1/models/{name}/versions/{version}:predict_tsv": lambda service, p, body, _: _predict_tsv(
+        service, p["name"], body, p["version"]
+    ),
 }
-"""The scoring routes as ``api/fastpath.py`` answers them: the same functions as the endpoints below."""
+"""The scoring routes as ``api/fastpath.py`` answers them: the same functions as the endpoints
+below."""
 
 
 def _render(_, scored: Scored) -> Response:
@@ -106,27 +138,43 @@ def _render(_, scored: Scored) -> Response:
 
 
 STAGED = {
-    "/v1/models/{name}:predict": Staged(lambda service, p, body, _: service.prepare_json(p["name"], body, None), _render),
-    "/v1/models/{name}/versions/{version}:predict":
-        Staged(lambda service, p, body, _: service.prepare_json(p["name"], body, p["version"]), _render),
-    "/v1/models/{name}:predict_tsv":
-        Staged(lambda service, p, body, _: service.prepare_tsv(p["name"], body, None), _render),
-    "/v1/models/{name}/versions/{version}:predict_tsv":
-        Staged(lambda service, p, body, _: service.prepare_tsv(p["name"], body, p["version"]), _render),
+    "/v1/models/{name}:predict": Staged(
+        lambda service, p, body, _: service.prepare_json(p["name"], body, None), _render
+    ),
+    "/v1/models/{name}/versions/{version}:predict": Staged(
+        lambda service, p, body, _: service.prepare_json(p["name"], body, p["version"]), _render
+    ),
+    "/v1/models/{name}:predict_tsv": Staged(
+        lambda service, p, body, _: service.prepare_tsv(p["name"], body, None), _render
+    ),
+    "/v1/models/{name}/versions/{version}:predict_tsv": Staged(
+        lambda service, p, body, _: service.prepare_tsv(p["name"], body, p["version"]), _render
+    ),
 }
-"""The same routes split around their model call (``fastpath.Staged``): concurrent small requests."""
+"""The same routes split around their model call (``fastpath.Staged``): concurrent small
+requests."""
 
 
-@models.post("/{name}:predict_tsv", response_model=PredictResponse, openapi_extra=TSV_BODY,
-             summary="Score lines in the model's input format")
+@models.post(
+    "/{name}:predict_tsv",
+    response_model=PredictResponse,
+    openapi_extra=TSV_BODY,
+    summary="Score lines in the model's input format",
+)
 async def predict_tsv(name: str, request: Request, service: ServiceDep) -> Response:
     text = await request.body()
     return await run_in_threadpool(_predict_tsv, service, name, text, None)  # off the event loop
 
 
-@models.post("/{name}/versions/{version}:predict_tsv", response_model=PredictResponse, openapi_extra=TSV_BODY,
-             summary="Score lines with a pinned version")
-async def predict_tsv_version(name: str, version: str, request: Request, service: ServiceDep) -> Response:
+@models.post(
+    "/{name}/versions/{version}:predict_tsv",
+    response_model=PredictResponse,
+    openapi_extra=TSV_BODY,
+    summary="Score lines with a pinned version",
+)
+async def predict_tsv_version(
+    name: str, version: str, request: Request, service: ServiceDep
+) -> Response:
     text = await request.body()
     return await run_in_threadpool(_predict_tsv, service, name, text, version)
 
@@ -135,12 +183,22 @@ def _info(service: ModelService, name: str, version: str | None) -> ModelInfo:
     model = service.resolve(name, version)
     meta = model.meta
     return ModelInfo(
-        name=name, model_version=meta.version, model_generation=model.generation, store=service.store.url,
-        versions=service.store.list_versions(), published_at=meta.created_at, step=meta.step,
-        row_dtype=meta.row_dtype, format=meta.spec.format, dense_features=meta.spec.dense_names,
+        name=name,
+        model_version=meta.version,
+        model_generation=model.generation,
+        store=service.store.url,
+        versions=service.store.list_versions(),
+        published_at=meta.created_at,
+        step=meta.step,
+        row_dtype=meta.row_dtype,
+        format=meta.spec.format,
+        dense_features=meta.spec.dense_names,
         sparse_features=meta.spec.sparse_names,
-        features=[f.model_dump(exclude_none=True) for f in [*meta.spec.dense, *meta.spec.categorical]],
-        tables=[t.model_dump() for t in meta.spec.tables], model=meta.model,
+        features=[
+            f.model_dump(exclude_none=True) for f in [*meta.spec.dense, *meta.spec.categorical]
+        ],
+        tables=[t.model_dump() for t in meta.spec.tables],
+        model=meta.model,
     )
 
 
@@ -149,18 +207,27 @@ def model_info(name: str, service: ServiceDep) -> ModelInfo:
     return _info(service, name, None)
 
 
-@models.get("/{name}/versions/{version}", response_model=ModelInfo, summary="A pinned version and its feature spec")
+@models.get(
+    "/{name}/versions/{version}",
+    response_model=ModelInfo,
+    summary="A pinned version and its feature spec",
+)
 def version_info(name: str, version: str, service: ServiceDep) -> ModelInfo:
     return _info(service, name, version)
 
 
 @router.get("/healthz", summary="Liveness: the process answers", tags=["health"])
-async def healthz() -> dict:  # on the event loop itself: no thread hop, answers while requests are scored
+# on the event loop itself: no thread hop, answers while requests are scored
+async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Readiness: every worker has a model loaded", responses={503: ERRORS[503]},
-            tags=["health"])
+@router.get(
+    "/readyz",
+    summary="Readiness: every worker has a model loaded",
+    responses={503: ERRORS[503]},
+    tags=["health"],
+)
 async def readyz(request: Request) -> dict:  # on the loop: a cached answer (api/probes.py)
     status, body, reason = request.app.state.probes.readiness()
     if status != 200:
@@ -168,8 +235,12 @@ async def readyz(request: Request) -> dict:  # on the loop: a cached answer (api
     return body
 
 
-@router.get("/metrics", summary="Prometheus metrics (every worker)", response_class=PlainTextResponse,
-            tags=["metrics"])
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics (every worker)",
+    response_class=PlainTextResponse,
+    tags=["metrics"],
+)
 def metrics(service: ServiceDep) -> Response:
     return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -1,7 +1,8 @@
 """Request and response bodies of the serving API (pydantic), in the TF-Serving / KServe V1 style
 (the Open Inference Protocol's are in ``api/v2/protocol.py``).
 
-``POST /v1/models/{name}:predict`` (or ``/v1/models/{name}/versions/{v}:predict``) takes ``{"instances": [...]}``; an instance is either
+``POST /v1/models/{name}:predict`` (or ``/v1/models/{name}/versions/{v}:predict``) takes
+``{"instances": [...]}``; an instance is either
 
 * named by feature: ``{"site_id": "1fbe01fe", "hour": 14102100, "tags": ["a", "b"], "price": 3.5}``
   (absent names are missing values), or

@@ -64,10 +64,16 @@ class ModelService:
         self.metrics = metrics
         self.versions = Versions(store, settings, metrics, self.load)
         # Looked up per call: benchmarks and tests swap ``score`` on the instance.
-        self.batcher = Batcher(lambda model, inputs: self.score(model, inputs), settings.batch_max_size, settings.batch_max_delay_us * 1e-6, metrics)
+        self.batcher = Batcher(
+            lambda model, inputs: self.score(model, inputs),
+            settings.batch_max_size,
+            settings.batch_max_delay_us * 1e-6,
+            metrics,
+        )
         """Coalesces concurrent requests' model calls (started only with ``settings.batching``)."""
 
-    # -- loading ------------------------------------------------------------------------------------
+    # -- loading
+    # ------------------------------------------------------------------------------------
     def load(self, version: str) -> ServingModel:
         """Build one version (benchmarks override it to hold tables in memory)."""
         meta = self.store.read_meta(version)
@@ -77,12 +83,27 @@ class ModelService:
         dynamic = [t.name for t in meta.spec.tables if t.dynamic is not None]
         id_maps = {name: IdMapView(*self.store.read_id_map(version, name)) for name in dynamic}
         mapped = [self.store.mapped_table(version, t.name) for t in meta.spec.tables]
-        owners = {name: self.store.mapped_owners(version, name) for name in dynamic} if meta.owners else None
-        model = ServingModel(meta, dense, self.settings.cache_mb * 2**20, self.store.remote,
-                             cursor=start.cursor, generation=start.generation, id_maps=id_maps, mapped=mapped,
-                             owners=owners, dense_max_abs=self.settings.dense_max_abs)
+        owners = (
+            {name: self.store.mapped_owners(version, name) for name in dynamic}
+            if meta.owners
+            else None
+        )
+        model = ServingModel(
+            meta,
+            dense,
+            self.settings.cache_mb * 2**20,
+            self.store.remote,
+            cursor=start.cursor,
+            generation=start.generation,
+            id_maps=id_maps,
+            mapped=mapped,
+            owners=owners,
+            dense_max_abs=self.settings.dense_max_abs,
+        )
         # One request through the whole path (featurising, lookups, network) before real ones.
-        empty = PositionalInstance(dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.categorical))
+        empty = PositionalInstance(
+            dense=[None] * len(meta.spec.dense), sparse=[None] * len(meta.spec.categorical)
+        )
         self.score(model, featurize_instances(meta.spec, model.featurizer, [empty]))
         return model
 
@@ -103,10 +124,13 @@ class ModelService:
         self.versions.stop()
         self.batcher.stop()
 
-    # -- requests ------------------------------------------------------------------------------------
+    # -- requests
+    # ------------------------------------------------------------------------------------
     def check_name(self, name: str) -> None:
         if name != self.settings.model_name:
-            raise ModelNotFound(f"no model named {clipped(name)} (this server serves {self.settings.model_name!r})")
+            raise ModelNotFound(
+                f"no model named {clipped(name)} (this server serves {self.settings.model_name!r})"
+            )
 
     def resolve(self, name: str, version: str | None = None) -> ServingModel:
         """The model a request names: ``name`` must be the served one; ``version`` None is the
@@ -126,10 +150,18 @@ class ModelService:
     def _prepare(self, name: str, instances: list, version: str | None) -> Pending:
         """Validated JSON instances featurised."""
         if len(instances) > self.settings.max_instances:
-            raise InputError("instances", f"{len(instances)} instances, at most {self.settings.max_instances} per request")
+            raise InputError(
+                "instances",
+                f"{len(instances)} instances, at most {self.settings.max_instances} per request",
+            )
         model = self.resolve(name, version)
-        return self.prepared(Pending(model, featurize_instances(model.spec, model.featurizer, instances, model.values),
-                                    "instances"))
+        return self.prepared(
+            Pending(
+                model,
+                featurize_instances(model.spec, model.featurizer, instances, model.values),
+                "instances",
+            )
+        )
 
     def predict_tsv(self, name: str, text: bytes, version: str | None = None) -> Scored:
         """Click probabilities of lines in the model's input layout."""
@@ -137,13 +169,19 @@ class ModelService:
             return self.finish(self.prepare_tsv(name, text, version))
 
     def prepare_tsv(self, name: str, text: bytes, version: str | None = None) -> Pending:
-        """Lines in the model's input layout parsed and featurised: everything but the model call."""
+        """Lines in the model's input layout parsed and featurised: everything but the model
+        call."""
         model = self.resolve(name, version)
         if model.lines is None:
-            raise InputError("body", f"version {model.version} does not record its input columns; send JSON instances")
+            raise InputError(
+                "body",
+                f"version {model.version} does not record its input columns; send JSON instances",
+            )
         inputs, n = featurize_lines(model.lines, text, self.settings.max_instances)
         if n > self.settings.max_instances:
-            raise InputError("body", f"{n} lines, at most {self.settings.max_instances} per request")
+            raise InputError(
+                "body", f"{n} lines, at most {self.settings.max_instances} per request"
+            )
         return self.prepared(Pending(model, inputs, "lines"))
 
     def prepared(self, pending: Pending) -> Pending:
@@ -154,8 +192,11 @@ class ModelService:
         """
         n_ids, cap = len(pending.inputs[1]), self.settings.max_ids_per_request
         if n_ids > cap:
-            raise TooLarge("body", f"{n_ids} categorical ids, at most max_ids_per_request={cap} per request "
-                                   "(DLRM_MAX_IDS_PER_REQUEST)")
+            raise TooLarge(
+                "body",
+                f"{n_ids} categorical ids, at most max_ids_per_request={cap} per request "
+                "(DLRM_MAX_IDS_PER_REQUEST)",
+            )
         return pending
 
     def finish(self, pending: Pending) -> Scored:
@@ -180,7 +221,9 @@ class ModelService:
         loop's concurrent small requests: ``api/fastpath.py``); batching must be running."""
         generation = pending.model.generation
         try:
-            predictions = await asyncio.wrap_future(self.batcher.submit(pending.model, pending.inputs))
+            predictions = await asyncio.wrap_future(
+                self.batcher.submit(pending.model, pending.inputs)
+            )
         except VersionNotFound:
             raise self.versions.vanished(pending.model) from None
         return self._answer(pending, predictions, generation)
@@ -189,7 +232,9 @@ class ModelService:
         self.metrics.batch_size.labels(input=pending.kind).observe(len(predictions))
         return Scored(predictions, pending.model.version, generation)
 
-    def embed(self, model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int) -> torch.Tensor:
+    def embed(
+        self, model: ServingModel, ids: np.ndarray, offsets: np.ndarray, batch: int
+    ) -> torch.Tensor:
         """Pooled embeddings float [B, sum(D_t)] (``api/lookup.py``; benchmarks swap it)."""
         return embed(self.store, self.metrics, model, ids, offsets, batch)
 

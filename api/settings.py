@@ -11,7 +11,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="DLRM_", use_attribute_docstrings=True, extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="DLRM_", use_attribute_docstrings=True, extra="ignore"
+    )
 
     store: str = "file://build/store"
     """Serving store URL: file://DIR, redis://[user@]host:port/db or rediss://... (TLS; CA and

@@ -36,8 +36,13 @@ class Versions:
         load: builds (and warms up) a version, given its name and its store cursor.
     """
 
-    def __init__(self, store: ServingStore, settings: Settings, metrics: ServingMetrics,
-                 load: Callable[[str], ServingModel]) -> None:
+    def __init__(
+        self,
+        store: ServingStore,
+        settings: Settings,
+        metrics: ServingMetrics,
+        load: Callable[[str], ServingModel],
+    ) -> None:
         self.store = store
         self.settings = settings
         self.metrics = metrics
@@ -52,9 +57,11 @@ class Versions:
         self._vanished: str | None = None
         """The current version a request found deleted (the next load's reason)."""
 
-    # -- requests -----------------------------------------------------------------------------------
+    # -- requests
+    # -----------------------------------------------------------------------------------
     def holds(self, version: str) -> bool:
-        """Whether ``version`` is loaded (current or pinned): ``get`` returns it without a store read."""
+        """Whether ``version`` is loaded (current or pinned): ``get`` returns it without a store
+        read."""
         current = self.current
         return (current is not None and current.version == version) or version in self.pinned
 
@@ -73,7 +80,8 @@ class Versions:
         model = self.pinned.get(version)
         if model is not None:
             return model
-        inline.need_store()  # loading reads the store: not on the event loop (remote stores; staged requests)
+        # loading reads the store: not on the event loop (remote stores; staged requests)
+        inline.need_store()
         with self._pin_lock:  # one load per version, however many requests wait for it
             model = self.pinned.get(version)
             if model is None:
@@ -86,7 +94,9 @@ class Versions:
         try:
             model = self._timed_load(version, "new")
         except VersionNotFound:
-            raise ModelNotFound(f"the store holds no version {clipped(version)}", "version") from None
+            raise ModelNotFound(
+                f"the store holds no version {clipped(version)}", "version"
+            ) from None
         self.pinned[version] = model
         while len(self.pinned) > self.settings.max_pinned_versions:
             self.pinned.popitem(last=False)  # the least recently loaded
@@ -103,7 +113,8 @@ class Versions:
         self.pinned.pop(model.version, None)
         return ModelNotFound(f"version {model.version!r} left the store", "version")
 
-    # -- refreshing ---------------------------------------------------------------------------------
+    # -- refreshing
+    # ---------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Load the store's current version if it moved, then follow live updates."""
         with self._refresh_lock:
@@ -129,13 +140,22 @@ class Versions:
         except VersionNotFound:
             return "gone"
         if batch.lost:
-            log.warning("live updates of %s were trimmed before this replica read them: reloading it",
-                        model.version)
+            log.warning(
+                "live updates of %s were trimmed before this replica read them: reloading it",
+                model.version,
+            )
             return "reload"
         try:  # everything read before anything changes: a failed read leaves the model as it was
-            rebased = {table: IdMapView(*self.store.read_id_map(model.version, table))  # the store folded it
-                       for table in batch.maps_rebased & set(model.id_maps)}
-            dense = build_dense(model.meta, self.store.read_dense(model.version)) if batch.dense_changed else None
+            # the store folded it
+            rebased = {
+                table: IdMapView(*self.store.read_id_map(model.version, table))
+                for table in batch.maps_rebased & set(model.id_maps)
+            }
+            dense = (
+                build_dense(model.meta, self.store.read_dense(model.version))
+                if batch.dense_changed
+                else None
+            )
         except VersionNotFound:
             return "gone"
         if model.cache is not None:
@@ -162,7 +182,13 @@ class Versions:
         seconds = time.perf_counter() - t0
         self.metrics.store_latency.labels(operation="load").observe(seconds)
         self.metrics.reloads.labels(reason=reason).inc()
-        log.info("loaded version %s (%s, %.2fs, generation %d)", version, reason, seconds, model.generation)
+        log.info(
+            "loaded version %s (%s, %.2fs, generation %d)",
+            version,
+            reason,
+            seconds,
+            model.generation,
+        )
         return model
 
     def _install(self, version: str, reason: str) -> None:
@@ -182,7 +208,8 @@ class Versions:
         keep = {m.version for m in (self.current, *self.pinned.values()) if m is not None}
         self.store.release(keep)
 
-    # -- the poller ---------------------------------------------------------------------------------
+    # -- the poller
+    # ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Poll the store in a background thread until :meth:`stop`."""
         self.metrics.set_ready(self.current is not None)

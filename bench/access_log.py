@@ -30,20 +30,55 @@ import httpx
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
-CONFIGS = {"off": {"DLRM_ACCESS_LOG": "false"},
-           "text": {"DLRM_ACCESS_LOG": "true", "DLRM_LOG_FORMAT": "text"},
-           "json": {"DLRM_ACCESS_LOG": "true", "DLRM_LOG_FORMAT": "json"}}
+CONFIGS = {
+    "off": {"DLRM_ACCESS_LOG": "false"},
+    "text": {"DLRM_ACCESS_LOG": "true", "DLRM_LOG_FORMAT": "text"},
+    "json": {"DLRM_ACCESS_LOG": "true", "DLRM_LOG_FORMAT": "json"},
+}
 
 
 def prepare(work: Path) -> str:
     data, run, store = work / "data", work / "run", work / "store"
     if not (store / "CURRENT").exists():
-        subprocess.run([*DLRM, "data", "synth", "--train-rows", "20000", "--test-rows", "2000", "--seed", "3",
-                        "--out", data], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run([*DLRM, "train", "--config", REPO / "configs" / "tiny.toml", "--train", data / "train.txt",
-                        "--test", data / "test.txt", "--out", run, "--no-progress"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run([*DLRM, "publish", "--checkpoint", run, "--store", f"file://{store}"], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                *DLRM,
+                "data",
+                "synth",
+                "--train-rows",
+                "20000",
+                "--test-rows",
+                "2000",
+                "--seed",
+                "3",
+                "--out",
+                data,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            [
+                *DLRM,
+                "train",
+                "--config",
+                REPO / "configs" / "tiny.toml",
+                "--train",
+                data / "train.txt",
+                "--test",
+                data / "test.txt",
+                "--out",
+                run,
+                "--no-progress",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            [*DLRM, "publish", "--checkpoint", run, "--store", f"file://{store}"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return f"file://{store}"
 
 
@@ -56,8 +91,13 @@ def cpu_seconds(pid: int) -> float:
 def one_round(config: str, store: str, port: int, requests: int, log_path: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), **CONFIGS[config]}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([*DLRM, "serve", "--store", store, "--port", str(port), "--workers", "1"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [*DLRM, "serve", "--store", store, "--port", str(port), "--workers", "1"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
@@ -86,8 +126,11 @@ def one_round(config: str, store: str, port: int, requests: int, log_path: Path)
     # Counted once the server has stopped: the lines still buffered (up to 0.2 s of them) are
     # written at exit, so this also checks that a graceful stop loses none.
     logged = log_path.read_text().count("api.access") - lines_before
-    return {"cpu_us_per_request": 1e6 * cpu / requests, "wall_us_per_request": 1e6 * wall / requests,
-            "log_lines": logged}
+    return {
+        "cpu_us_per_request": 1e6 * cpu / requests,
+        "wall_us_per_request": 1e6 * wall / requests,
+        "log_lines": logged,
+    }
 
 
 def micro(work: Path, calls: int = 20000, repeats: int = 5) -> dict:
@@ -106,16 +149,30 @@ def micro(work: Path, calls: int = 20000, repeats: int = 5) -> dict:
                 metrics = ServingMetrics()
 
     route = type("Route", (), {"path": "/v1/models/{name}:predict"})()
-    scope = {"type": "http", "method": "POST", "path": "/v1/models/dlrm:predict", "app": App, "route": route}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/models/dlrm:predict",
+        "app": App,
+        "route": route,
+    }
     out = {}
-    variants = {"off": (False, False, True), "text": (True, False, True), "json": (True, True, True),
-                "text, a write per line": (True, False, False)}
+    variants = {
+        "off": (False, False, True),
+        "text": (True, False, True),
+        "json": (True, True, True),
+        "text, a write per line": (True, False, False),
+    }
     for name, (on, json_lines, buffered) in variants.items():
         config = logging_config(json_lines=json_lines)
         stream = open(work / f"micro-{name.replace(', ', '-').replace(' ', '-')}.log", "w")  # noqa: SIM115 - closed below
         config["handlers"]["access"] = {
-            "()": BufferedStreamHandler if buffered else logging.StreamHandler, "stream": stream,
-            "formatter": "dlrm", "filters": ["request_id"]}  # as served (logging_config), into a file
+            "()": BufferedStreamHandler if buffered else logging.StreamHandler,
+            "stream": stream,
+            # as served (logging_config), into a file
+            "formatter": "dlrm",
+            "filters": ["request_id"],
+        }
         logging.config.dictConfig(config)
         middleware = RequestContext(None, access_log=on)
         token = REQUEST_ID.set("0123456789abcdef0123456789abcdef")
@@ -135,31 +192,55 @@ def micro(work: Path, calls: int = 20000, repeats: int = 5) -> dict:
 def report(result: dict) -> list[str]:
     """The markdown table of a result (also: ``--report`` rewrites it from the JSON)."""
     med, runs, in_process = result["median"], result["runs"], result["in_process"]
-    lines = ["# Access log: CPU per request (`bench/access_log.py`)", "",
-             "The access log's own cost, in process (the middleware's bookkeeping of one request with and "
-             "without its line, written to a file through the configured handler, in batches as served, and "
-             "with a write per line as before 2026-12-04; 20,000 calls x 5, median):", "",
-             "| access log | CPU / request (µs) | extra vs off (µs) | share of the 1 ms budget |", "|---|---|---|---|"]
+    lines = [
+        "# Access log: CPU per request (`bench/access_log.py`)",
+        "",
+        "The access log's own cost, in process (the middleware's bookkeeping of one request with "
+        "and "
+        "without its line, written to a file through the configured handler, in batches as "
+        "served, and "
+        "with a write per line as before 2026-12-04; 20,000 calls x 5, median):",
+        "",
+        "| access log | CPU / request (µs) | extra vs off (µs) | share of the 1 ms budget |",
+        "|---|---|---|---|",
+    ]
     for c, m in in_process.items():
-        lines.append(f"| {c} | {m['cpu_us_per_request']:.1f} | {m['extra_cpu_us']:+.1f} | {m['extra_cpu_us'] / 10:+.1f}% |")
-    lines += ["", f"Whole requests: {result['requests_per_round']} single-instance V1 predicts per round on a fresh "
-              f"`dlrm serve` (1 worker, file store, tiny model), {result['rounds']} interleaved rounds; server CPU "
-              "(user + system, /proc) per request, median and range over the rounds (load average "
-              f"{result['load_average'][0]:.1f} on {result['cpus']} cores: other tenants included; where the ranges "
-              "overlap, the difference is not shown). A served line costs more than the in-process figure: "
-              "the request's other work runs beside it. Lines logged are counted after the server stopped "
-              "(SIGTERM): the access log writes in batches, and a graceful stop writes what waits.", "",
-              "| access log | server CPU / request (µs), median | range over rounds (µs) | wall / request (µs) | lines logged |",
-              "|---|---|---|---|---|"]
+        lines.append(
+            f"| {c} | {m['cpu_us_per_request']:.1f} | {m['extra_cpu_us']:+.1f} | "
+            f"{m['extra_cpu_us'] / 10:+.1f}% |"
+        )
+    lines += [
+        "",
+        f"Whole requests: {result['requests_per_round']} single-instance V1 predicts per round on "
+        "a fresh "
+        f"`dlrm serve` (1 worker, file store, tiny model), {result['rounds']} interleaved rounds; "
+        "server CPU "
+        "(user + system, /proc) per request, median and range over the rounds (load average "
+        f"{result['load_average'][0]:.1f} on {result['cpus']} cores: other tenants included; where "
+        "the ranges "
+        "overlap, the difference is not shown). A served line costs more than the in-process "
+        "figure: "
+        "the request's other work runs beside it. Lines logged are counted after the server "
+        "stopped "
+        "(SIGTERM): the access log writes in batches, and a graceful stop writes what waits.",
+        "",
+        "| access log | server CPU / request (µs), median | range over rounds (µs) | wall / "
+        "request (µs) | lines logged |",
+        "|---|---|---|---|---|",
+    ]
     for c, m in med.items():
         cpu = [r["cpu_us_per_request"] for r in runs[c]]
-        lines.append(f"| {c} | {m['cpu_us_per_request']:.0f} | {min(cpu):.0f}-{max(cpu):.0f} | "
-                     f"{m['wall_us_per_request']:.0f} | {m['log_lines']:.0f} |")
+        lines.append(
+            f"| {c} | {m['cpu_us_per_request']:.0f} | {min(cpu):.0f}-{max(cpu):.0f} | "
+            f"{m['wall_us_per_request']:.0f} | {m['log_lines']:.0f} |"
+        )
     return lines
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench" / "access_log")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--requests", type=int, default=3000)
@@ -178,17 +259,27 @@ def main() -> None:
     rounds: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     for r in range(args.rounds):  # interleaved: drift of the shared machine hits every config alike
         for config in CONFIGS:
-            rounds[config].append(one_round(config, store, args.port, args.requests, args.work / f"{config}.log"))
+            rounds[config].append(
+                one_round(config, store, args.port, args.requests, args.work / f"{config}.log")
+            )
             print(f"round {r} {config}: {rounds[config][-1]}", flush=True)
-    med = {c: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for c, runs in rounds.items()}
+    med = {
+        c: {k: statistics.median(x[k] for x in runs) for k in runs[0]} for c, runs in rounds.items()
+    }
     off = med["off"]["cpu_us_per_request"]
     for c in med:
         med[c]["extra_cpu_us"] = med[c]["cpu_us_per_request"] - off
         med[c]["extra_share_of_1ms_budget"] = med[c]["extra_cpu_us"] / 1000
         med[c]["cpu_ratio_to_off"] = med[c]["cpu_us_per_request"] / off
-    result = {"requests_per_round": args.requests, "rounds": args.rounds, "median": med, "runs": rounds,
-              "in_process": in_process,
-              "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    result = {
+        "requests_per_round": args.requests,
+        "rounds": args.rounds,
+        "median": med,
+        "runs": rounds,
+        "in_process": in_process,
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "access_log.json").write_text(json.dumps(result, indent=1))
     lines = report(result)

@@ -38,10 +38,18 @@ def training_run(setting: Setting, role: str, fault: str, rng: random.Random, ou
     rank = RANK_OF[role] + (rng.randrange(2) if role == "embedding server" else 0)
     target = rng.randrange(10, int(setting.steps * 0.6))
     port = free_port()
-    proc = subprocess.Popen([*DLRM, *setting.train_args(out, "--set", f"dist.master_port={port}")], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*DLRM, *setting.train_args(out, "--set", f"dist.master_port={port}")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     store = wait_for(lambda: _store("127.0.0.1", port), "the launcher's store", every=0.2)
-    wait_for(lambda: (read_status(store, 0).get("step") or 0) >= target or proc.poll() is not None, "the step")
+    wait_for(
+        lambda: (read_status(store, 0).get("step") or 0) >= target or proc.poll() is not None,
+        "the step",
+    )
     pid = json.loads((out / "ranks" / f"rank-{rank}.json").read_text())["pid"]
     kill(pid, getattr(signal, fault))
     t0 = time.time()
@@ -54,13 +62,21 @@ def training_run(setting: Setting, role: str, fault: str, rng: random.Random, ou
     kill(pid, signal.SIGCONT)
     kill(pid, signal.SIGKILL)
     fault_info = _try(lambda: json.loads((out / "last-fault.json").read_text())) or {}
-    result = {"rank": rank, "at_step": fault_info.get("step", target), "exit_s": round(exit_s, 1),
-              "status": proc.returncode, "named": f"error: {ROLE_TEXT[rank]}" in output,
-              "bounded": proc.returncode not in (0, None) and exit_s <= setting.timeout_s + 15,
-              "message": next((ln for ln in output.splitlines() if "error:" in ln and "dlrm train: error" in ln), "")}
+    result = {
+        "rank": rank,
+        "at_step": fault_info.get("step", target),
+        "exit_s": round(exit_s, 1),
+        "status": proc.returncode,
+        "named": f"error: {ROLE_TEXT[rank]}" in output,
+        "bounded": proc.returncode not in (0, None) and exit_s <= setting.timeout_s + 15,
+        "message": next(
+            (ln for ln in output.splitlines() if "error:" in ln and "dlrm train: error" in ln), ""
+        ),
+    }
     result["checkpoint_problem"] = verify_checkpoints(out / "checkpoints")
     result.update(resume_and_score(setting, out))
-    if result.get("resumed") and result.get("updates_lost_steps") is None:  # no fault record, or no checkpoint
+    # no fault record, or no checkpoint
+    if result.get("resumed") and result.get("updates_lost_steps") is None:
         result["updates_lost_steps"] = max(0, result["at_step"] - result["resumed_step"])
     return result
 
@@ -72,8 +88,6 @@ def _store(addr: str, port: int):
         return connect(addr, port, 2.0)
     except OSError:
         return None
-
-
 
 
 def _bounded(fn, timeout_s: float = 3.0):
@@ -101,20 +115,45 @@ def link_run(setting: Setting, rng: random.Random, out: Path) -> dict:
     port = free_port()
     worker = [*DLRM, "worker", *setting.train_args(out)[1:]]
     with Hosts(4, net=net) as hosts:
-        subprocess.run(["ip", "addr", "add", f"10.{net}.0.254/24", "dev", hosts.bridge], check=True)  # to watch
-        env = {**os.environ, "MASTER_ADDR": hosts.addrs[0], "MASTER_PORT": str(port), "WORLD_SIZE": "4",
-               "GLOO_SOCKET_IFNAME": hosts.ifname}
-        procs = [subprocess.Popen(hosts.command(r, worker), cwd=REPO, env={**env, "RANK": str(r)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
+        # to watch
+        subprocess.run(["ip", "addr", "add", f"10.{net}.0.254/24", "dev", hosts.bridge], check=True)
+        env = {
+            **os.environ,
+            "MASTER_ADDR": hosts.addrs[0],
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "4",
+            "GLOO_SOCKET_IFNAME": hosts.ifname,
+        }
+        procs = [
+            subprocess.Popen(
+                hosts.command(r, worker),
+                cwd=REPO,
+                env={**env, "RANK": str(r)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(4)
+        ]
         outputs: list[str] = [""] * 4
-        drains = [threading.Thread(target=lambda i=i: outputs.__setitem__(i, procs[i].communicate()[0]), daemon=True)
-                  for i in range(4)]
+        drains = [
+            threading.Thread(
+                target=lambda i=i: outputs.__setitem__(i, procs[i].communicate()[0]), daemon=True
+            )
+            for i in range(4)
+        ]
         for t in drains:
             t.start()
         store = wait_for(lambda: _store(hosts.addrs[0], port), "rank 0's store", every=0.5)
-        wait_for(lambda: (read_status(store, 0).get("step") or 0) >= target or procs[0].poll() is not None, "the step")
+        wait_for(
+            lambda: (
+                (read_status(store, 0).get("step") or 0) >= target or procs[0].poll() is not None
+            ),
+            "the step",
+        )
         link = f"{hosts.bridge}v{victim}"  # the host's cable, on the bridge side
-        reached = (_bounded(lambda: read_status(store, 0)) or {}).get("step", target)  # before the cut
+        # before the cut
+        reached = (_bounded(lambda: read_status(store, 0)) or {}).get("step", target)
         subprocess.run(["ip", "link", "set", link, "down"], check=True)
         t0 = time.time()
         ended = [None] * 4
@@ -125,7 +164,9 @@ def link_run(setting: Setting, rng: random.Random, out: Path) -> dict:
                     ended[r] = time.time() - t0
             if victim != 0 and procs[0].poll() is None and time.time() - last_read > 0.5:
                 # the master's last step (its store is on its host, which is still connected)
-                reached = max(reached, (_bounded(lambda: read_status(store, 0), 1.0) or {}).get("step") or 0)
+                reached = max(
+                    reached, (_bounded(lambda: read_status(store, 0), 1.0) or {}).get("step") or 0
+                )
                 last_read = time.time()
             time.sleep(0.1)
         for p in procs:
@@ -136,17 +177,25 @@ def link_run(setting: Setting, rng: random.Random, out: Path) -> dict:
         subprocess.run(["ip", "link", "set", link, "up"], check=True)
     survivors = [r for r in range(4) if r != victim]
     lost = ROLE_TEXT[victim] if victim else "rank 0"
-    result = {"rank": victim, "at_step": reached, "exit_s": round(max(e or 1e9 for e in ended), 1),
-              "status": [p.returncode for p in procs],
-              "bounded": all(e is not None and e <= setting.timeout_s + 30 for e in ended)
-              and all(p.returncode != 0 for p in procs),
-              "named": all(lost in outputs[r] for r in survivors),
-              "exits_s": [round(e, 1) if e is not None else None for e in ended],
-              "last_lines": [(o.strip().splitlines() or [""])[-1][:200] for o in outputs],
-              "message": next((ln for ln in outputs[survivors[0]].splitlines() if "stopped" in ln or "error" in ln), "")}
+    result = {
+        "rank": victim,
+        "at_step": reached,
+        "exit_s": round(max(e or 1e9 for e in ended), 1),
+        "status": [p.returncode for p in procs],
+        "bounded": all(e is not None and e <= setting.timeout_s + 30 for e in ended)
+        and all(p.returncode != 0 for p in procs),
+        "named": all(lost in outputs[r] for r in survivors),
+        "exits_s": [round(e, 1) if e is not None else None for e in ended],
+        "last_lines": [(o.strip().splitlines() or [""])[-1][:200] for o in outputs],
+        "message": next(
+            (ln for ln in outputs[survivors[0]].splitlines() if "stopped" in ln or "error" in ln),
+            "",
+        ),
+    }
     result["checkpoint_problem"] = verify_checkpoints(out / "checkpoints")
     result.update(resume_and_score(setting, out))
-    if result.get("resumed"):  # no launcher recorded the fault: the master's last step, from its store
+    # no launcher recorded the fault: the master's last step, from its store
+    if result.get("resumed"):
         result["updates_lost_steps"] = max(0, reached - result["resumed_step"])
     return result
 
@@ -157,25 +206,44 @@ def link_run(setting: Setting, rng: random.Random, out: Path) -> dict:
 def api_worker_run(setting: Setting, fault: str, rng: random.Random) -> dict:
     expected = setting.expected  # (publishes the versions' own stores, the first time)
     with Api(f"file://{setting.work / 'store-v2'}", setting.probe, workers=2) as api:
-        wait_for(lambda: len(api.workers()) == 2 and api.answer_of("v2"), "two workers serving v2", every=0.2)
+        wait_for(
+            lambda: len(api.workers()) == 2 and api.answer_of("v2"),
+            "two workers serving v2",
+            every=0.2,
+        )
         load = Load(api, expected)
         at = rng.randrange(5, 40)
         wait_for(lambda: len(load.answers) >= at, "requests")
         victim = rng.choice(api.workers())
         kill(victim, getattr(signal, fault))
         t0 = time.time()
-        gone = _try(lambda: wait_for(lambda: not Path(f"/proc/{victim}").exists() or _zombie(victim), "gone", 60))
+        gone = _try(
+            lambda: wait_for(
+                lambda: not Path(f"/proc/{victim}").exists() or _zombie(victim), "gone", 60
+            )
+        )
         exit_s = time.time() - t0
-        back = _try(lambda: wait_for(lambda: len(api.workers()) == 2 and load.ok_after(t0 + exit_s) >= 5,
-                                     "recovery", 60))
+        back = _try(
+            lambda: wait_for(
+                lambda: len(api.workers()) == 2 and load.ok_after(t0 + exit_s) >= 5, "recovery", 60
+            )
+        )
         auc = _try(lambda: api.served_auc(setting.test_lines, setting.labels))
         load.stop()
         named = any(f"Child process [{victim}] died" in line for line in api.output)
     failed = [a for a in load.answers if a[1] != 200]
-    return {"at_request": at, "exit_s": round(exit_s, 1), "bounded": bool(gone) and exit_s <= 15, "named": named,
-            "resumed": bool(back) and auc is not None, "auc_diff": abs(auc - setting.ref_auc) if auc else None,
-            "version_mixes": load.mixes, "requests": len(load.answers), "failed_requests": len(failed),
-            "max_latency_s": round(max(a[3] for a in load.answers), 2)}
+    return {
+        "at_request": at,
+        "exit_s": round(exit_s, 1),
+        "bounded": bool(gone) and exit_s <= 15,
+        "named": named,
+        "resumed": bool(back) and auc is not None,
+        "auc_diff": abs(auc - setting.ref_auc) if auc else None,
+        "version_mixes": load.mixes,
+        "requests": len(load.answers),
+        "failed_requests": len(failed),
+        "max_latency_s": round(max(a[3] for a in load.answers), 2),
+    }
 
 
 def _zombie(pid: int) -> bool:
@@ -196,9 +264,25 @@ class Redis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir",
-                                      str(self.workdir), "--save", "", "--appendonly", "yes", "--appendfsync",
-                                      "always"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.workdir),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
 
         client = redis.Redis.from_url(self.url, socket_timeout=0.5)
@@ -225,7 +309,8 @@ def redis_run(setting: Setting, fault: str, rng: random.Random, work: Path) -> d
             wait_for(lambda: len(load.answers) >= at, "requests")
             kill(redis.proc.pid, getattr(signal, fault))
             t0 = time.time()
-            failed_publish = publish(setting.versions["v2"], redis.url, "v2", timeout=120)  # must fail, bounded
+            # must fail, bounded
+            failed_publish = publish(setting.versions["v2"], redis.url, "v2", timeout=120)
             exit_s = time.time() - t0
             message = (failed_publish.stderr.strip().splitlines() or [""])[-1]
             time.sleep(rng.uniform(0, 3))  # the outage goes on a little
@@ -236,22 +321,37 @@ def redis_run(setting: Setting, fault: str, rng: random.Random, work: Path) -> d
                 kill(redis.proc.pid, signal.SIGCONT)
             t_back = time.time()
             ok = publish(setting.versions["v2"], redis.url, "v2").returncode == 0
-            back = ok and _try(lambda: wait_for(lambda: api.answer_of("v2") and load.ok_after(t_back) >= 5,
-                                                "v2 served", 60))
+            back = ok and _try(
+                lambda: wait_for(
+                    lambda: api.answer_of("v2") and load.ok_after(t_back) >= 5, "v2 served", 60
+                )
+            )
             auc = _try(lambda: api.served_auc(setting.test_lines, setting.labels)) if back else None
             load.stop()
     finally:
         redis.stop()
     versions = [v for _, _, v, _ in load.answers if v is not None]
-    regressions = sum(1 for a, b in zip(versions, versions[1:], strict=False) if a == "v2" and b == "v1")
+    regressions = sum(
+        1 for a, b in zip(versions, versions[1:], strict=False) if a == "v2" and b == "v1"
+    )
     outage = [a for a in load.answers if t0 <= a[0] <= t_back]
-    return {"at_request": at, "exit_s": round(exit_s, 1), "status": failed_publish.returncode,
-            "bounded": failed_publish.returncode != 0 and exit_s <= 15,
-            "named": "redis" in message.lower() or "store" in message.lower(), "message": message,
-            "resumed": bool(back) and auc is not None, "auc_diff": abs(auc - setting.ref_auc) if auc else None,
-            "version_mixes": load.mixes, "version_regressions": regressions, "requests": len(load.answers),
-            "outage_requests": len(outage), "outage_max_latency_s": round(max((a[3] for a in outage), default=0), 2),
-            "outage_503": sum(1 for a in outage if a[1] == 503)}
+    return {
+        "at_request": at,
+        "exit_s": round(exit_s, 1),
+        "status": failed_publish.returncode,
+        "bounded": failed_publish.returncode != 0 and exit_s <= 15,
+        "named": "redis" in message.lower() or "store" in message.lower(),
+        "message": message,
+        "resumed": bool(back) and auc is not None,
+        "auc_diff": abs(auc - setting.ref_auc) if auc else None,
+        "version_mixes": load.mixes,
+        "version_regressions": regressions,
+        "requests": len(load.answers),
+        "outage_requests": len(outage),
+        "outage_max_latency_s": round(max((a[3] for a in outage), default=0), 2),
+        "outage_503": sum(1 for a in outage if a[1] == 503),
+    }
 
 
-# -- the suite ---------------------------------------------------------------------------------------
+# -- the suite
+# ---------------------------------------------------------------------------------------

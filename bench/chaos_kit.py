@@ -31,8 +31,12 @@ from embedding_server.checkpoint.files import (  # noqa: E402
 DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
 ROLES = ["trainer", "master trainer", "embedding server", "API worker", "Redis", "host link"]
 RANK_OF = {"trainer": 1, "master trainer": 0, "embedding server": 2}
-ROLE_TEXT = {0: "rank 0 (trainer 0, master)", 1: "rank 1 (trainer 1)", 2: "rank 2 (embedding server 0)",
-             3: "rank 3 (embedding server 1)"}
+ROLE_TEXT = {
+    0: "rank 0 (trainer 0, master)",
+    1: "rank 1 (trainer 1)",
+    2: "rank 2 (embedding server 0)",
+    3: "rank 3 (embedding server 1)",
+}
 AUC_TOLERANCE = 0.003
 
 
@@ -45,7 +49,7 @@ def free_port() -> int:
 def wait_for(predicate, what: str, timeout: float = 180.0, every: float = 0.05):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (value := predicate()):
+        if value := predicate():
             return value
         time.sleep(every)
     raise RuntimeError(f"timed out waiting for {what}")
@@ -75,11 +79,17 @@ class Setting:
         self.ref = work / "reference"
         if not (self.ref / "metrics.json").exists():
             shutil.rmtree(self.ref, ignore_errors=True)
-            subprocess.run([*DLRM, *self.train_args(self.ref)], cwd=REPO, check=True, capture_output=True)
+            subprocess.run(
+                [*DLRM, *self.train_args(self.ref)], cwd=REPO, check=True, capture_output=True
+            )
         ref = json.loads((self.ref / "metrics.json").read_text())
         self.ref_auc = ref["test_auc"]
         self.steps_per_s = ref["train_samples_per_s"] / batch  # what one delta interval (1 s) holds
-        fulls = sorted(p for p in (self.ref / "checkpoints").glob("step-*") if read_manifest(p).get("base") is None)
+        fulls = sorted(
+            p
+            for p in (self.ref / "checkpoints").glob("step-*")
+            if read_manifest(p).get("base") is None
+        )
         self.versions = {"v1": fulls[-2], "v2": fulls[-1]}
         lines = (self.data / "test.txt").read_text().splitlines(keepends=True)
         self.test_lines, self.labels = lines, [int(line.split("\t", 1)[0]) for line in lines]
@@ -94,11 +104,33 @@ class Setting:
         return self._expected
 
     def train_args(self, out: Path, *extra: str) -> list[str]:
-        return ["train", "--train", str(self.data / "train.txt"), "--test", str(self.data / "test.txt"),
-                "--out", str(out), "--config", "configs/tiny.toml", "--batch-size", str(self.batch), "--no-progress",
-                "--embedding-servers", "2", "--trainers", "2", "--set", "train.checkpoint_every_steps=100",
-                "--set", "train.checkpoint_delta_every_s=1", "--set", f"dist.timeout_s={self.timeout_s:g}",
-                "--set", "data.block_bytes=65536", *extra]
+        return [
+            "train",
+            "--train",
+            str(self.data / "train.txt"),
+            "--test",
+            str(self.data / "test.txt"),
+            "--out",
+            str(out),
+            "--config",
+            "configs/tiny.toml",
+            "--batch-size",
+            str(self.batch),
+            "--no-progress",
+            "--embedding-servers",
+            "2",
+            "--trainers",
+            "2",
+            "--set",
+            "train.checkpoint_every_steps=100",
+            "--set",
+            "train.checkpoint_delta_every_s=1",
+            "--set",
+            f"dist.timeout_s={self.timeout_s:g}",
+            "--set",
+            "data.block_bytes=65536",
+            *extra,
+        ]
 
     def _expected_predictions(self) -> dict[str, list[float]]:
         """The probe's predictions under each version, served alone from a file store."""
@@ -111,14 +143,23 @@ class Setting:
             shutil.rmtree(store, ignore_errors=True)
             publish(ckpt, f"file://{store}", name)
             with Api(f"file://{store}", self.probe, workers=1) as api:
-                out[name] = wait_for(lambda a=api, n=name: a.answer_of(n), f"version {name} served")["predictions"]
+                out[name] = wait_for(
+                    lambda a=api, n=name: a.answer_of(n), f"version {name} served"
+                )["predictions"]
         cache.write_text(json.dumps(out))
         return out
 
 
-def publish(ckpt: Path, url: str, version: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*DLRM, "publish", "--checkpoint", str(ckpt), "--store", url, "--version", version],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def publish(
+    ckpt: Path, url: str, version: str, timeout: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*DLRM, "publish", "--checkpoint", str(ckpt), "--store", url, "--version", version],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # -- serving -------------------------------------------------------------------------------------
@@ -130,10 +171,25 @@ class Api:
     def __init__(self, store: str, probe: str, workers: int = 2) -> None:
         self.port = free_port()
         self.probe = probe
-        self.proc = subprocess.Popen([*DLRM, "serve", "--store", store, "--port", str(self.port), "--workers",
-                                      str(workers), "--log-level", "info"], cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "DLRM_POLL_INTERVAL_S": "0.2"})
+        self.proc = subprocess.Popen(
+            [
+                *DLRM,
+                "serve",
+                "--store",
+                store,
+                "--port",
+                str(self.port),
+                "--workers",
+                str(workers),
+                "--log-level",
+                "info",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "DLRM_POLL_INTERVAL_S": "0.2"},
+        )
         self.output: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
 
@@ -154,8 +210,11 @@ class Api:
             self.proc.kill()
 
     def post(self, body: str, timeout: float = 5.0) -> tuple[int, dict]:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/models/dlrm:predict_tsv", data=body.encode(),
-                                     headers={"Connection": "close"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/models/dlrm:predict_tsv",
+            data=body.encode(),
+            headers={"Connection": "close"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -203,7 +262,8 @@ class Load:
 
     def __init__(self, api: Api, expected: dict[str, list[float]]) -> None:
         self.api, self.expected = api, expected
-        self.answers: list[tuple[float, int, str | None, float]] = []  # time, status, version, latency
+        # time, status, version, latency
+        self.answers: list[tuple[float, int, str | None, float]] = []
         self.mixes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -228,14 +288,19 @@ class Load:
 
 
 def _close(a: list[float], b: list[float] | None) -> bool:
-    return b is not None and len(a) == len(b) and all(abs(x - y) <= 1e-4 for x, y in zip(a, b, strict=True))
+    return (
+        b is not None
+        and len(a) == len(b)
+        and all(abs(x - y) <= 1e-4 for x, y in zip(a, b, strict=True))
+    )
 
 
 # -- training runs -------------------------------------------------------------------------------
 
 
 def verify_checkpoints(root: Path) -> str | None:
-    """None when ``latest`` names a complete checkpoint whose whole chain verifies, else what is wrong."""
+    """None when ``latest`` names a complete checkpoint whose whole chain verifies, else what is
+    wrong."""
     try:
         latest = latest_checkpoint(root)
         if latest is None:
@@ -253,8 +318,13 @@ def verify_checkpoints(root: Path) -> str | None:
 
 def resume_and_score(setting: Setting, out: Path, cmd: list[str] | None = None) -> dict:
     t0 = time.time()
-    done = subprocess.run(cmd or [*DLRM, *setting.train_args(out, "--resume")], cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        cmd or [*DLRM, *setting.train_args(out, "--resume")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     result = {"resumed": done.returncode == 0, "resume_s": round(time.time() - t0, 1)}
     if done.returncode != 0:
         result["resume_error"] = (done.stdout + done.stderr).strip().splitlines()[-1:]
@@ -265,6 +335,7 @@ def resume_and_score(setting: Setting, out: Path, cmd: list[str] | None = None) 
     result["updates_lost_steps"] = resumed.get("steps_redone")
     result["resumed_step"] = resumed.get("resumed_step", 0)
     return result
+
 
 def _try(fn):
     try:

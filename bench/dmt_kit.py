@@ -19,8 +19,17 @@ def sh(argv: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def model_flags(args) -> list[str]:
-    return ["--embedding-dim", str(args.dim), "--batch-size", str(args.batch), "--no-progress",
-            "--set", f"embedding.hash_size={args.hash_size}", "--set", "dist.timeout_s=120"]
+    return [
+        "--embedding-dim",
+        str(args.dim),
+        "--batch-size",
+        str(args.batch),
+        "--no-progress",
+        "--set",
+        f"embedding.hash_size={args.hash_size}",
+        "--set",
+        "dist.timeout_s=120",
+    ]
 
 
 def tower_flags(args, plan: Path) -> list[str]:
@@ -33,8 +42,22 @@ def tower_flags(args, plan: Path) -> list[str]:
 
 
 def make_plan(args, train: Path, out: Path, extra: list[str]) -> dict:
-    r = sh([*DLRM, "plan-towers", "-k", "2", "--train", str(train), "--out", str(out), "--warmup-rows",
-            str(args.warmup_rows), *extra], cwd=REPO)
+    r = sh(
+        [
+            *DLRM,
+            "plan-towers",
+            "-k",
+            "2",
+            "--train",
+            str(train),
+            "--out",
+            str(out),
+            "--warmup-rows",
+            str(args.warmup_rows),
+            *extra,
+        ],
+        cwd=REPO,
+    )
     return {"table": r.stdout.strip(), "plan": json.loads(out.read_text())}
 
 
@@ -48,11 +71,24 @@ def planted_kept(plan: dict, data_seed: int, random_plans: int = 200) -> dict:
 
     teacher = make_teacher(data_seed)
     weight = np.abs(teacher.pair_w)
-    tower = {f"C{i + 1}": t for t, tw in enumerate(plan["towers"]) for i in [int(f[1:]) - 1 for f in tw["features"]]}
-    same = lambda assign: float(weight[[assign[a] == assign[b] for a, b in teacher.pairs]].sum() / weight.sum())  # noqa: E731
+    tower = {
+        f"C{i + 1}": t
+        for t, tw in enumerate(plan["towers"])
+        for i in [int(f[1:]) - 1 for f in tw["features"]]
+    }
+
+    def same(assign):
+        return float(
+            weight[[assign[a] == assign[b] for a, b in teacher.pairs]].sum() / weight.sum()
+        )
+
     ours = same([tower[f"C{i + 1}"] for i in range(26)])
     rng = np.random.default_rng(0)
     sizes = [len(t["features"]) for t in plan["towers"]]
     base = np.repeat(np.arange(len(sizes)), sizes)
     rand = [same(rng.permutation(base).tolist()) for _ in range(random_plans)]
-    return {"partitioner": ours, "random_mean": float(np.mean(rand)), "random_p95": float(np.quantile(rand, 0.95))}
+    return {
+        "partitioner": ours,
+        "random_mean": float(np.mean(rand)),
+        "random_p95": float(np.quantile(rand, 0.95)),
+    }

@@ -49,12 +49,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 T, DIM, BATCH, NUM_DENSE = 26, 64, 2048, 13
-SYSTEMS = {"hashed": {}, "dynamic, lru": {"ids": "dynamic", "evict": "lru"},
-           "dynamic, lfu": {"ids": "dynamic", "evict": "lfu"}}
+SYSTEMS = {
+    "hashed": {},
+    "dynamic, lru": {"ids": "dynamic", "evict": "lru"},
+    "dynamic, lfu": {"ids": "dynamic", "evict": "lfu"},
+}
 """Name -> the [embedding] settings of that system (hashed: none)."""
-DIST_SYSTEMS = {**{name: (ids, "auto") for name, ids in SYSTEMS.items()},
-                "hashed, split by rows": ({}, "row_wise"),
-                "dynamic, lru, split by rows": (SYSTEMS["dynamic, lru"], "row_wise")}
+DIST_SYSTEMS = {
+    **{name: (ids, "auto") for name, ids in SYSTEMS.items()},
+    "hashed, split by rows": ({}, "row_wise"),
+    "dynamic, lru, split by rows": (SYSTEMS["dynamic, lru"], "row_wise"),
+}
 """E2,T2: name -> (its [embedding] settings, placement): whole tables, or every table split by
 rows over the two servers (a dynamic table's ids then routed by hash: ``idmap/pieces.py``)."""
 
@@ -70,9 +75,13 @@ def make_batches(vocab: int, rows: int, n: int, seed: int = 0):
     for _ in range(n):
         ranks = np.minimum(np.searchsorted(cdf, rng.random((T, BATCH))), vocab - 1)
         ids = ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)  # raw 64-bit ids, spread
-        dense = torch.from_numpy(np.log1p(rng.lognormal(0, 1, (BATCH, NUM_DENSE))).astype(np.float32))
+        dense = torch.from_numpy(
+            np.log1p(rng.lognormal(0, 1, (BATCH, NUM_DENSE))).astype(np.float32)
+        )
         labels = torch.from_numpy((rng.random(BATCH) < 0.25).astype(np.float32))
-        raw.append(Batch(dense, SparseFeatures.one_hot(torch.from_numpy(ids.view(np.int64))), labels))
+        raw.append(
+            Batch(dense, SparseFeatures.one_hot(torch.from_numpy(ids.view(np.int64))), labels)
+        )
         rows_of = (ids % np.uint64(rows)).astype(np.int64)  # as the featuriser hashes
         hashed.append(Batch(dense, SparseFeatures.one_hot(torch.from_numpy(rows_of)), labels))
     return raw, hashed
@@ -81,12 +90,25 @@ def make_batches(vocab: int, rows: int, n: int, seed: int = 0):
 def bench_config(rows: int, ids: dict, servers: int = 0, trainers: int = 1):
     from dense_trainer.config import load_config
 
-    return load_config(None, [{
-        "embedding": {"dim": DIM, "hash_size": rows, "optimizer": {"kind": "rowwise_adagrad", "lr": 0.05}, **ids},
-        "model": {"dense_arch_layer_sizes": [512, 256], "over_arch_layer_sizes": [512, 256]},
-        "train": {"batch_size": BATCH, "progress": False},
-        "dist": {"embedding_servers": servers, "trainers": trainers},
-    }])
+    return load_config(
+        None,
+        [
+            {
+                "embedding": {
+                    "dim": DIM,
+                    "hash_size": rows,
+                    "optimizer": {"kind": "rowwise_adagrad", "lr": 0.05},
+                    **ids,
+                },
+                "model": {
+                    "dense_arch_layer_sizes": [512, 256],
+                    "over_arch_layer_sizes": [512, 256],
+                },
+                "train": {"batch_size": BATCH, "progress": False},
+                "dist": {"embedding_servers": servers, "trainers": trainers},
+            }
+        ],
+    )
 
 
 def totals(stats: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -100,9 +122,11 @@ def churn(before: dict[str, int], after: dict[str, int], steps: int, capacity: i
     """Ids admitted / evicted per timed step, and whether the tables were full when timing began."""
     if not before:
         return {"admitted_per_step": None, "evicted_per_step": None, "full_at_start": None}
-    return {"admitted_per_step": (after["admitted"] - before["admitted"]) / steps,
-            "evicted_per_step": (after["evicted"] - before["evicted"]) / steps,
-            "full_at_start": before["rows_used"] >= capacity}
+    return {
+        "admitted_per_step": (after["admitted"] - before["admitted"]) / steps,
+        "evicted_per_step": (after["evicted"] - before["evicted"]) / steps,
+        "full_at_start": before["rows_used"] >= capacity,
+    }
 
 
 def single(args, threads: int) -> dict:
@@ -113,11 +137,16 @@ def single(args, threads: int) -> dict:
     torch.set_num_threads(threads)
 
     raw, hashed = make_batches(args.vocab, args.rows, args.warmup + args.rounds * args.steps)
-    trainers = {name: Trainer(bench_config(args.rows, ids), Path(tempfile.mkdtemp())) for name, ids in SYSTEMS.items()}
+    trainers = {
+        name: Trainer(bench_config(args.rows, ids), Path(tempfile.mkdtemp()))
+        for name, ids in SYSTEMS.items()
+    }
     data = {name: hashed if not ids else raw for name, ids in SYSTEMS.items()}
+
     def run(name: str, start: int, end: int, times: list[float] | None = None) -> None:
         """Steps start..end-1, each prefetching the next as ``Trainer.fit`` does (dynamic tables
-        remap it meanwhile where a core is spare, ``idmap/ahead.py``; hashed: nothing to do), but the last."""
+        remap it meanwhile where a core is spare, ``idmap/ahead.py``; hashed: nothing to do), but
+        the last."""
         trainer, batches = trainers[name], data[name]
         for i in range(start, end):
             t0 = time.perf_counter()
@@ -136,8 +165,11 @@ def single(args, threads: int) -> dict:
     for name, trainer in trainers.items():
         step = statistics.median(times[name])
         after = totals(trainer.client.id_stats())
-        out[name] = {"samples_per_s": BATCH / step, "step_ms": 1e3 * step,
-                     **churn(before[name], after, args.rounds * args.steps, capacity(args))}
+        out[name] = {
+            "samples_per_s": BATCH / step,
+            "step_ms": 1e3 * step,
+            **churn(before[name], after, args.rounds * args.steps, capacity(args)),
+        }
     return with_cost(out)
 
 
@@ -149,7 +181,9 @@ def capacity(args) -> int:
 def with_cost(out: dict) -> dict:
     """Each system's cost against hashed ids placed the same way."""
     for name, row in out.items():
-        base = out["hashed, split by rows" if name.endswith("split by rows") else "hashed"]["samples_per_s"]
+        base = out["hashed, split by rows" if name.endswith("split by rows") else "hashed"][
+            "samples_per_s"
+        ]
         row["cost_vs_hashed"] = 1 - row["samples_per_s"] / base
     return out
 
@@ -202,9 +236,11 @@ def dist_rank(rank: int, name: str, args, port: int, out: str) -> None:
             times.append(time.perf_counter() - t0)
         client.close()
         stats = [None] * 4 if rank == 0 else None
-        dist.gather_object({"step_s": times[args.warmup:]}, stats, dst=0)
+        dist.gather_object({"step_s": times[args.warmup :]}, stats, dst=0)
     else:
-        server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp()))
+        server = EmbeddingServer(
+            cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp())
+        )
         warm: dict = {}
         for shard in server.shards:
             if shard.id_maps:
@@ -230,17 +266,30 @@ def distributed(args) -> dict:
         for name in DIST_SYSTEMS:
             print(f"E2,T2 round {r + 1}/{args.dist_rounds}: {name}", file=sys.stderr, flush=True)
             path = Path(tempfile.mkdtemp()) / "result.json"
-            mp.start_processes(dist_rank, args=(name, args, free_port(), str(path)), nprocs=4, start_method="spawn",
-                               join=True)
+            mp.start_processes(
+                dist_rank,
+                args=(name, args, free_port(), str(path)),
+                nprocs=4,
+                start_method="spawn",
+                join=True,
+            )
             ranks = json.loads(path.read_text())
             warm, end = (merge_piece_stats([r[key] for r in ranks[2:]]) for key in ("warm", "end"))
-            runs[name].append({"step": statistics.median(ranks[0]["step_s"]),
-                               **churn(totals(warm), totals(end), args.steps, capacity(args))})
+            runs[name].append(
+                {
+                    "step": statistics.median(ranks[0]["step_s"]),
+                    **churn(totals(warm), totals(end), args.steps, capacity(args)),
+                }
+            )
     out = {}
     for name, rs in runs.items():
         step = statistics.median(x["step"] for x in rs)
-        out[name] = {"samples_per_s": BATCH / step, "step_ms": 1e3 * step, "round_step_ms": [1e3 * x["step"] for x in rs],
-                     **{k: v for k, v in rs[-1].items() if k != "step"}}
+        out[name] = {
+            "samples_per_s": BATCH / step,
+            "step_ms": 1e3 * step,
+            "round_step_ms": [1e3 * x["step"] for x in rs],
+            **{k: v for k, v in rs[-1].items() if k != "step"},
+        }
     return with_cost(out)
 
 
@@ -257,29 +306,54 @@ def memory(args) -> dict:
         m.lookup(torch.cat([ids, ids[: batch // 10]]), train=True)
         used.append(m.stats()["rows_used"])
         rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return {"distinct_ids": args.stream_ids, "capacity": 100_000, "max_rows_used": max(used),
-            "peak_rss_mb_after_first_quarter": rss[len(rss) // 4], "peak_rss_mb_at_end": rss[-1],
-            "seconds": time.perf_counter() - t0, **m.stats()}
+    return {
+        "distinct_ids": args.stream_ids,
+        "capacity": 100_000,
+        "max_rows_used": max(used),
+        "peak_rss_mb_after_first_quarter": rss[len(rss) // 4],
+        "peak_rss_mb_at_end": rss[-1],
+        "seconds": time.perf_counter() - t0,
+        **m.stats(),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=20_000, help="rows per table (dynamic: its capacity)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--rows", type=int, default=20_000, help="rows per table (dynamic: its capacity)"
+    )
     p.add_argument("--vocab", type=int, default=1_000_000, help="distinct ids per table")
     p.add_argument("--steps", type=int, default=15, help="timed steps per round")
-    p.add_argument("--warmup", type=int, default=60, help="steps that fill the tables before timing")
+    p.add_argument(
+        "--warmup", type=int, default=60, help="steps that fill the tables before timing"
+    )
     p.add_argument("--rounds", type=int, default=2, help="rounds of the one-process systems")
     p.add_argument("--dist-rounds", type=int, default=2, help="launches of each E2,T2 system")
     p.add_argument("--stream-ids", type=int, default=10_000_000)
-    p.add_argument("--skip", default="", help="comma-separated parts not to run: memory, single, spare, dist")
+    p.add_argument(
+        "--skip", default="", help="comma-separated parts not to run: memory, single, spare, dist"
+    )
     p.add_argument("--out", type=Path, default=HERE / "results")
-    p.add_argument("--tag", default="", help="suffix of the result files (e.g. dist, for a run of one part)")
+    p.add_argument(
+        "--tag", default="", help="suffix of the result files (e.g. dist, for a run of one part)"
+    )
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     torch.manual_seed(0)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "vocab": args.vocab, "steps": args.steps,
-              "warmup": args.warmup, "kernel": kernel_in_use(), "rounds": args.rounds, "dist_rounds": args.dist_rounds, "loadavg_start": os.getloadavg()[0],
-              "cores": os.cpu_count()}
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rows": args.rows,
+        "vocab": args.vocab,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "kernel": kernel_in_use(),
+        "rounds": args.rounds,
+        "dist_rounds": args.dist_rounds,
+        "loadavg_start": os.getloadavg()[0],
+        "cores": os.cpu_count(),
+    }
     if "memory" not in skip:
         result["memory"] = memory(args)
     cores = os.cpu_count() or 1
@@ -306,35 +380,63 @@ def kernel_in_use() -> str:
 
 
 def render(r: dict) -> str:
-    lines = [f"Dynamic ids ({r['date']}; 1-min load average {r['loadavg_start']:.2f} at the start, "
-             f"{r['loadavg_end']:.2f} at the end): 26 tables x {r['rows']:,} rows, dim {DIM}, batch {BATCH}, "
-             f"Zipf(1.05) ids over {r['vocab']:,} values per table; {r['warmup']} warm-up steps, then every step "
-             f"admits and evicts; the id maps' kernel: {r.get('kernel', 'torch')}", ""]
+    lines = [
+        f"Dynamic ids ({r['date']}; 1-min load average {r['loadavg_start']:.2f} at the start, "
+        f"{r['loadavg_end']:.2f} at the end): 26 tables x {r['rows']:,} rows, dim {DIM}, batch "
+        f"{BATCH}, "
+        f"Zipf(1.05) ids over {r['vocab']:,} values per table; {r['warmup']} warm-up steps, then "
+        "every step "
+        f"admits and evicts; the id maps' kernel: {r.get('kernel', 'torch')}",
+        "",
+    ]
     cores = r.get("cores", 2)
-    for part, label in (("single", f"one process, the dense step on all {cores} cores, medians of {r['rounds']} "
-                                   f"rounds x {r['steps']} steps"),
-                        ("single, a core spare", f"one process, the dense step on {cores - 1} thread(s): a core "
-                                                 f"spare for the remap ahead, as beside a GPU dense step"),
-                        ("E2,T2", f"2 servers + 2 trainers, --pipeline exact, medians of {r['dist_rounds']} "
-                                  f"launches x {r['steps']} steps")):
+    for part, label in (
+        (
+            "single",
+            f"one process, the dense step on all {cores} cores, medians of {r['rounds']} "
+            f"rounds x {r['steps']} steps",
+        ),
+        (
+            "single, a core spare",
+            f"one process, the dense step on {cores - 1} thread(s): a core "
+            f"spare for the remap ahead, as beside a GPU dense step",
+        ),
+        (
+            "E2,T2",
+            f"2 servers + 2 trainers, --pipeline exact, medians of {r['dist_rounds']} "
+            f"launches x {r['steps']} steps",
+        ),
+    ):
         if part not in r:
             continue
-        lines += [f"{part} ({label}):", "",
-                  "| ids | samples/s | step ms | cost vs hashed | admitted / step | evicted / step | full at start |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+        lines += [
+            f"{part} ({label}):",
+            "",
+            "| ids | samples/s | step ms | cost vs hashed | admitted / step | evicted / step | "
+            "full at start |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
         for name, t in r[part].items():
             adm = "-" if t["admitted_per_step"] is None else f"{t['admitted_per_step']:,.0f}"
             ev = "-" if t["evicted_per_step"] is None else f"{t['evicted_per_step']:,.0f}"
             full = "-" if t["full_at_start"] is None else ("yes" if t["full_at_start"] else "no")
-            lines.append(f"| {name} | {t['samples_per_s']:,.0f} | {t['step_ms']:.1f} | {100 * t['cost_vs_hashed']:.1f}% "
-                         f"| {adm} | {ev} | {full} |")
+            lines.append(
+                f"| {name} | {t['samples_per_s']:,.0f} | {t['step_ms']:.1f} | "
+                f"{100 * t['cost_vs_hashed']:.1f}% "
+                f"| {adm} | {ev} | {full} |"
+            )
         lines.append("")
     if "memory" in r:
         m = r["memory"]
-        lines += [f"Bounded memory: {m['distinct_ids']:,} distinct ids into a {m['capacity']:,}-row table: "
-                  f"at most {m['max_rows_used']:,} rows used, {m['admitted']:,} admitted, {m['evicted']:,} evicted; "
-                  f"peak RSS {m['peak_rss_mb_after_first_quarter']:,.0f} MB after a quarter of the stream, "
-                  f"{m['peak_rss_mb_at_end']:,.0f} MB at its end ({m['seconds']:.1f}s)."]
+        lines += [
+            f"Bounded memory: {m['distinct_ids']:,} distinct ids into a {m['capacity']:,}-row "
+            "table: "
+            f"at most {m['max_rows_used']:,} rows used, {m['admitted']:,} admitted, "
+            f"{m['evicted']:,} evicted; "
+            f"peak RSS {m['peak_rss_mb_after_first_quarter']:,.0f} MB after a quarter of the "
+            "stream, "
+            f"{m['peak_rss_mb_at_end']:,.0f} MB at its end ({m['seconds']:.1f}s)."
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -35,8 +35,14 @@ import distributed_throughput as dt  # noqa: E402
 def describe() -> dict:
     from embedding_server.kernels.tbe import FBGEMM_IMPORT_ERROR
 
-    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(), "python": sys.version.split()[0],
-            "fbgemm": "available" if FBGEMM_IMPORT_ERROR is None else f"absent ({FBGEMM_IMPORT_ERROR}): PyTorch kernel"}
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "python": sys.version.split()[0],
+        "fbgemm": "available"
+        if FBGEMM_IMPORT_ERROR is None
+        else f"absent ({FBGEMM_IMPORT_ERROR}): PyTorch kernel",
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -73,12 +79,18 @@ def single(steps: int, warmup: int) -> dict:
 
 def summary(times, timings, steps, device, kernel) -> dict:
     step = statistics.median(times)
-    return {"device": device, "kernel": kernel, "samples_per_s": dt.GLOBAL_BATCH / step, "median_step_ms": 1e3 * step,
-            "breakdown_ms": {k.removesuffix("_s"): 1e3 * v / steps for k, v in timings.items()}}
+    return {
+        "device": device,
+        "kernel": kernel,
+        "samples_per_s": dt.GLOBAL_BATCH / step,
+        "median_step_ms": 1e3 * step,
+        "breakdown_ms": {k.removesuffix("_s"): 1e3 * v / steps for k, v in timings.items()},
+    }
 
 
-def disaggregated_rank(rank: int, servers: int, pipeline: str, rows: int, port: int, steps: int, warmup: int,
-                       out: str) -> None:
+def disaggregated_rank(
+    rank: int, servers: int, pipeline: str, rows: int, port: int, steps: int, warmup: int, out: str
+) -> None:
     """Rank 0: the trainer (CUDA when there is one); ranks 1..servers: CPU embedding servers."""
     import torch.distributed as dist
 
@@ -109,7 +121,9 @@ def disaggregated_rank(rank: int, servers: int, pipeline: str, rows: int, port: 
         result["communication_ms"] = 1e3 * client.stats["comm_s"] / (steps + warmup)
         Path(out).write_text(json.dumps(result))
     else:
-        server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp()))
+        server = EmbeddingServer(
+            cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, 0, Path(tempfile.mkdtemp())
+        )
         server.serve()
     dist.barrier()
     cluster.heartbeat.close()  # not inside a store call when the process ends
@@ -120,29 +134,48 @@ def disaggregated(servers: int, pipeline: str, steps: int, warmup: int) -> dict:
     from dense_trainer.distributed import free_port
 
     out = Path(tempfile.mkdtemp()) / "r.json"
-    mp.start_processes(disaggregated_rank, args=(servers, pipeline, dt.ROWS, free_port(), steps, warmup, str(out)),
-                       nprocs=1 + servers, start_method="spawn", join=True)
+    mp.start_processes(
+        disaggregated_rank,
+        args=(servers, pipeline, dt.ROWS, free_port(), steps, warmup, str(out)),
+        nprocs=1 + servers,
+        start_method="spawn",
+        join=True,
+    )
     return json.loads(out.read_text())
 
 
-LAYOUTS = [("E1,T1 lockstep", 1, "off"), ("E1,T1 exact", 1, "exact"), ("E1,T1 semi-sync", 1, "semi-sync"),
-           ("E2,T1 exact", 2, "exact")]
+LAYOUTS = [
+    ("E1,T1 lockstep", 1, "off"),
+    ("E1,T1 exact", 1, "exact"),
+    ("E1,T1 semi-sync", 1, "semi-sync"),
+    ("E2,T1 exact", 2, "exact"),
+]
 """(name, CPU embedding servers, pipeline) of the disaggregated runs, beside the single process."""
 
 
 def render(info: dict, rows: dict[str, dict], seconds: float) -> str:
-    lines = [f"GPU check ({time.strftime('%Y-%m-%d %H:%M')}): {json.dumps(info)}; 26 tables x {dt.ROWS:,} rows, "
-             f"dim {dt.tt.DIM}, batch {dt.GLOBAL_BATCH}; servers on the CPU, the trainer on "
-             f"{'CUDA' if info['cuda'] else 'the CPU (no CUDA device)'}; {seconds:.0f} s in all", "",
-             "| layout | device | samples/s | vs single | step ms | embedding fwd ms | dense fwd ms | backward ms "
-             "| optimizer ms | communication ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"GPU check ({time.strftime('%Y-%m-%d %H:%M')}): {json.dumps(info)}; 26 tables x "
+        f"{dt.ROWS:,} rows, "
+        f"dim {dt.tt.DIM}, batch {dt.GLOBAL_BATCH}; servers on the CPU, the trainer on "
+        f"{'CUDA' if info['cuda'] else 'the CPU (no CUDA device)'}; {seconds:.0f} s in all",
+        "",
+        "| layout | device | samples/s | vs single | step ms | embedding fwd ms | dense fwd ms | "
+        "backward ms "
+        "| optimizer ms | communication ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     base = rows["single process"]["samples_per_s"]
     for name, r in rows.items():
         b = r["breakdown_ms"]
         comm = f"{r['communication_ms']:.1f}" if "communication_ms" in r else "-"
-        lines.append(f"| {name} | {r['device']} | {r['samples_per_s']:,.0f} | {r['samples_per_s'] / base:.2f}x | "
-                     f"{r['median_step_ms']:.1f} | {b['embedding_forward']:.1f} | {b['dense_forward']:.1f} | "
-                     f"{b['backward']:.1f} | {b['optimizer']:.1f} | {comm} |")
+        lines.append(
+            f"| {name} | {r['device']} | {r['samples_per_s']:,.0f} | "
+            f"{r['samples_per_s'] / base:.2f}x | "
+            f"{r['median_step_ms']:.1f} | {b['embedding_forward']:.1f} | {b['dense_forward']:.1f} "
+            "| "
+            f"{b['backward']:.1f} | {b['optimizer']:.1f} | {comm} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -151,7 +184,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rows", type=int, default=100_000)
-    p.add_argument("--out", type=Path, default=HERE / "results", help="where gpu.json and gpu.md go")
+    p.add_argument(
+        "--out", type=Path, default=HERE / "results", help="where gpu.json and gpu.md go"
+    )
     args = p.parse_args()
     dt.ROWS = args.rows
     info = describe()
@@ -167,7 +202,9 @@ def main() -> None:
     seconds = time.time() - t0
     md = render(info, rows, seconds)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu.json").write_text(json.dumps({"environment": info, "results": rows, "seconds": seconds}, indent=2) + "\n")
+    (args.out / "gpu.json").write_text(
+        json.dumps({"environment": info, "results": rows, "seconds": seconds}, indent=2) + "\n"
+    )
     (args.out / "gpu.md").write_text(md)
     print("\n" + md)
 

@@ -44,7 +44,9 @@ def _rewrite(src: Path, dst: Path, row_of: Callable[[int, str], int]) -> None:
     dst.write_text("".join(out))
 
 
-def _copy(train: Path, test: Path, out: Path, row_of: Callable[[int, str], int]) -> tuple[Path, Path]:
+def _copy(
+    train: Path, test: Path, out: Path, row_of: Callable[[int, str], int]
+) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     if not (out / "done").exists():
         for src in (train, test):
@@ -69,5 +71,8 @@ def stand_in(train: Path, test: Path, out: Path, rows: int, shared: int) -> tupl
         cells = line.split("\t")
         for j in CATEGORICAL:
             counts[j][cells[j]] += 1
-    own = {j: {cell: shared + i for i, (cell, _) in enumerate(c.most_common(rows - shared))} for j, c in counts.items()}
+    own = {
+        j: {cell: shared + i for i, (cell, _) in enumerate(c.most_common(rows - shared))}
+        for j, c in counts.items()
+    }
     return _copy(train, test, out, lambda j, cell: own[j].get(cell, _value(cell) % shared))

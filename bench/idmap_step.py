@@ -39,19 +39,31 @@ def shard_for(rows: int, policy: str):
 
     cfg = bench_config(rows, {"ids": "dynamic", "evict": policy})
     spec = cfg.feature_spec()
-    return InProcessEmbeddingClient(spec.tables, cfg.embedding.optimizer, cfg.embedding.device, cfg.train.seed,
-                                    cfg.embedding.init_scale or None, spec.feature_tables).shard
+    return InProcessEmbeddingClient(
+        spec.tables,
+        cfg.embedding.optimizer,
+        cfg.embedding.device,
+        cfg.train.seed,
+        cfg.embedding.init_scale or None,
+        spec.feature_tables,
+    ).shard
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", type=int, default=20_000)
     p.add_argument("--vocab", type=int, default=1_000_000)
     p.add_argument("--steps", type=int, default=15, help="timed steps per round and policy")
-    p.add_argument("--warmup", type=int, default=60, help="remaps before timing (60 fill the tables)")
+    p.add_argument(
+        "--warmup", type=int, default=60, help="remaps before timing (60 fill the tables)"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--policies", default="lru,lfu")
-    p.add_argument("--kernels", default="native,torch", help="the maps' kernels (DLRM_IDMAP_KERNEL values)")
+    p.add_argument(
+        "--kernels", default="native,torch", help="the maps' kernels (DLRM_IDMAP_KERNEL values)"
+    )
     p.add_argument("--tag", default="", help="suffix of the result files (e.g. before / after)")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
@@ -64,10 +76,13 @@ def main() -> None:
         use_kernel(kernel)
         for b in raw[: args.warmup]:
             shard.id_maps.remap(b.sparse, train=True)
-    full = {name: sum(s["rows_used"] for s in shard.id_maps.stats().values()) >= 26 * args.rows
-            for name, (_, shard) in shards.items()}
+    full = {
+        name: sum(s["rows_used"] for s in shard.id_maps.stats().values()) >= 26 * args.rows
+        for name, (_, shard) in shards.items()
+    }
     times: dict[str, list[float]] = {name: [] for name in shards}
-    cpu: dict[str, list[float]] = {name: [] for name in shards}  # thread CPU time: less hit by a loaded machine
+    # thread CPU time: less hit by a loaded machine
+    cpu: dict[str, list[float]] = {name: [] for name in shards}
     for r in range(args.rounds):
         for pol, (kernel, shard) in shards.items():
             use_kernel(kernel)
@@ -76,13 +91,27 @@ def main() -> None:
                 shard.id_maps.remap(b.sparse, train=True)
                 times[pol].append(time.perf_counter() - t0)
                 cpu[pol].append(time.thread_time() - c0)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "rows": args.rows, "vocab": args.vocab, "batch": BATCH,
-              "steps": args.steps, "rounds": args.rounds, "loadavg_start": load0, "loadavg_end": os.getloadavg()[0],
-              "threads": 1,
-              "policies": {pol: {"step_ms_median": 1e3 * statistics.median(t), "step_ms_min": 1e3 * min(t),
-                                 "cpu_ms_median": 1e3 * statistics.median(cpu[pol]),
-                                 "full_at_start": full[pol],
-                                 **{k: v for k, v in _totals(shards[pol][1]).items()}} for pol, t in times.items()}}
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rows": args.rows,
+        "vocab": args.vocab,
+        "batch": BATCH,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg()[0],
+        "threads": 1,
+        "policies": {
+            pol: {
+                "step_ms_median": 1e3 * statistics.median(t),
+                "step_ms_min": 1e3 * min(t),
+                "cpu_ms_median": 1e3 * statistics.median(cpu[pol]),
+                "full_at_start": full[pol],
+                **{k: v for k, v in _totals(shards[pol][1]).items()},
+            }
+            for pol, t in times.items()
+        },
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     name = "idmap_step" + (f"_{args.tag}" if args.tag else "")
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -107,14 +136,24 @@ def _totals(shard) -> dict[str, int]:
 
 
 def render(r: dict) -> str:
-    lines = [f"Id-map step alone ({r['date']}; 1-min load average {r['loadavg_start']:.2f} at the start, "
-             f"{r['loadavg_end']:.2f} at the end; one thread): 26 tables x {r['rows']:,} rows, batch {r['batch']}, "
-             f"Zipf(1.05) over {r['vocab']:,} values per table; {r['rounds']} rounds x {r['steps']} steps",
-             "", "| policy, kernel | median ms / step | min ms / step | median CPU ms / step | admitted (total) | evicted (total) | full at start |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Id-map step alone ({r['date']}; 1-min load average {r['loadavg_start']:.2f} at the "
+        "start, "
+        f"{r['loadavg_end']:.2f} at the end; one thread): 26 tables x {r['rows']:,} rows, batch "
+        f"{r['batch']}, "
+        f"Zipf(1.05) over {r['vocab']:,} values per table; {r['rounds']} rounds x {r['steps']} "
+        "steps",
+        "",
+        "| policy, kernel | median ms / step | min ms / step | median CPU ms / step | admitted "
+        "(total) | evicted (total) | full at start |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for pol, t in r["policies"].items():
-        lines.append(f"| {pol} | {t['step_ms_median']:.1f} | {t['step_ms_min']:.1f} | {t['cpu_ms_median']:.1f} | {t['admitted']:,} "
-                     f"| {t['evicted']:,} | {'yes' if t['full_at_start'] else 'no'} |")
+        lines.append(
+            f"| {pol} | {t['step_ms_median']:.1f} | {t['step_ms_min']:.1f} | "
+            f"{t['cpu_ms_median']:.1f} | {t['admitted']:,} "
+            f"| {t['evicted']:,} | {'yes' if t['full_at_start'] else 'no'} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,5 @@
-"""One rank of a two-rank link probe: Gloo messages of one step's size, one way and both ways at once.
+"""One rank of a two-rank link probe: Gloo messages of one step's size, one way and both ways at
+once.
 
 A full-duplex link carries its rate in each direction at once only if nothing else gets in the
 way; over ``tc tbf`` queues (the namespace hosts of ``bench/pipeline.py``) each direction's ACKs
@@ -33,8 +34,13 @@ def _timed(fn, reps: int) -> float:
 def main() -> None:
     nbytes, reps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120),
-                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    dist.init_process_group(
+        "gloo",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=120),
+        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+    )
     send, recv = torch.ones(nbytes // 4), torch.empty(nbytes // 4)  # [nbytes / 4] fp32
     peer = 1 - rank
 
@@ -65,8 +71,12 @@ def main() -> None:
     both = _timed(both_ways, reps)
     rtt = _timed(ping, 50) / 50
     if rank == 0:
-        result = {"message_bytes": nbytes, "one_way_bytes_per_s": reps * nbytes / one,
-                  "both_ways_bytes_per_s": reps * nbytes / both, "latency_s": rtt / 2}
+        result = {
+            "message_bytes": nbytes,
+            "one_way_bytes_per_s": reps * nbytes / one,
+            "both_ways_bytes_per_s": reps * nbytes / both,
+            "latency_s": rtt / 2,
+        }
         with open(out, "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()

@@ -57,5 +57,12 @@ if __name__ == "__main__":
     a = p.parse_args()
     os.environ["DLRM_STORE"] = a.store
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    uvicorn.run("naive_serve:app", factory=True, port=a.port, workers=a.workers, log_level="warning",
-                access_log=False, log_config=logging_config(json_lines=Settings().log_format == "json"))
+    uvicorn.run(
+        "naive_serve:app",
+        factory=True,
+        port=a.port,
+        workers=a.workers,
+        log_level="warning",
+        access_log=False,
+        log_config=logging_config(json_lines=Settings().log_format == "json"),
+    )

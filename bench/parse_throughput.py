@@ -66,9 +66,15 @@ CSV_TARGET, PARQUET_TARGET, OLD_TOLERANCE = 150_000, 500_000, 0.95
 # Avazu's columns and, per categorical, (distinct values in the full 40M rows, Zipf exponent):
 # the shape of the real data, scaled so that 300k rows look like a slice of it.
 AVAZU_HEX = {
-    "site_id": (4737, 1.2), "site_domain": (7745, 1.2), "site_category": (26, 1.5),
-    "app_id": (8552, 1.3), "app_domain": (559, 1.5), "app_category": (36, 1.6),
-    "device_id": (300_000, 1.0), "device_ip": (400_000, 0.6), "device_model": (8251, 1.0),
+    "site_id": (4737, 1.2),
+    "site_domain": (7745, 1.2),
+    "site_category": (26, 1.5),
+    "app_id": (8552, 1.3),
+    "app_domain": (559, 1.5),
+    "app_category": (36, 1.6),
+    "device_id": (300_000, 1.0),
+    "device_ip": (400_000, 0.6),
+    "device_model": (8251, 1.0),
 }
 AVAZU_INT = {  # column: (values to draw from, Zipf exponent over them)
     "C1": ([1005, 1002, 1010, 1012, 1007, 1001, 1008], 2.5),
@@ -84,11 +90,21 @@ AVAZU_INT = {  # column: (values to draw from, Zipf exponent over them)
     "C20": ([-1, *range(100000, 100249)], 1.3),
     "C21": (list(range(1, 220, 3)), 1.2),
 }
-AVAZU_COLUMNS = ["id", "click", "hour", "C1", "banner_pos", *AVAZU_HEX, "device_type", "device_conn_type",
-                 *[f"C{i}" for i in range(14, 22)]]
+AVAZU_COLUMNS = [
+    "id",
+    "click",
+    "hour",
+    "C1",
+    "banner_pos",
+    *AVAZU_HEX,
+    "device_type",
+    "device_conn_type",
+    *[f"C{i}" for i in range(14, 22)],
+]
 
 
-# -- data ------------------------------------------------------------------------------------------------
+# -- data
+# ------------------------------------------------------------------------------------------------
 
 
 def _zipf(rng: np.random.Generator, v: int, s: float, n: int) -> np.ndarray:
@@ -110,7 +126,9 @@ def _hex8(values: np.ndarray) -> pa.Array:
 def avazu_table(rows: int, seed: int = 0) -> pa.Table:
     """Avazu-shaped rows (no teacher: only the parse cost matters here)."""
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, 2**63, rows, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, rows, dtype=np.uint64)
+    ids = rng.integers(0, 2**63, rows, dtype=np.uint64) * np.uint64(2) + rng.integers(
+        0, 2, rows, dtype=np.uint64
+    )
     cols: dict[str, pa.Array] = {
         "id": pa.array(ids).cast(pa.string()),
         "click": pa.array((rng.random(rows) < 0.17).astype(np.int64)),
@@ -125,8 +143,12 @@ def avazu_table(rows: int, seed: int = 0) -> pa.Table:
 
 
 def avazu_spec(fmt: str):
-    feats = [CategoricalFeature(kind="categorical", name=c, encoding="string") for c in AVAZU_COLUMNS[2:]]
-    return build_spec(feats, fmt, label="click", ignore=["id"], table_defaults={"hash_size": 1_000_000})
+    feats = [
+        CategoricalFeature(kind="categorical", name=c, encoding="string") for c in AVAZU_COLUMNS[2:]
+    ]
+    return build_spec(
+        feats, fmt, label="click", ignore=["id"], table_defaults={"hash_size": 1_000_000}
+    )
 
 
 def make_workloads(tmp: Path, rows: int) -> dict[str, tuple]:
@@ -150,16 +172,23 @@ def make_workloads(tmp: Path, rows: int) -> dict[str, tuple]:
 
 def load_old_parser(tmp: Path):
     """The old Criteo parser from git, importable as ``old_criteo_format`` (None without git)."""
-    files = {"old_criteo_format": "embedding_server/criteo_format.py", "old_features": "embedding_server/features.py"}
+    files = {
+        "old_criteo_format": "embedding_server/criteo_format.py",
+        "old_features": "embedding_server/features.py",
+    }
     src = {}
     for module, path in files.items():
-        proc = subprocess.run(["git", "-C", str(REPO), "show", f"{OLD_COMMIT}:{path}"], capture_output=True, text=True)
+        proc = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{OLD_COMMIT}:{path}"], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             return None
         src[module] = proc.stdout
-    src["old_criteo_format"] = (src["old_criteo_format"]
-                                .replace("from embedding_server.errors import", "from dlrm_core.errors import")
-                                .replace("from embedding_server.features import", "from old_features import"))
+    src["old_criteo_format"] = (
+        src["old_criteo_format"]
+        .replace("from embedding_server.errors import", "from dlrm_core.errors import")
+        .replace("from embedding_server.features import", "from old_features import")
+    )
     old_dir = tmp / "old"
     old_dir.mkdir()
     for module, text in src.items():
@@ -171,7 +200,8 @@ def load_old_parser(tmp: Path):
     return old_criteo_format, old_features
 
 
-# -- timing ---------------------------------------------------------------------------------------------
+# -- timing
+# ---------------------------------------------------------------------------------------------
 
 
 def read_blocks(reader: InputReader) -> tuple[list, float]:
@@ -194,7 +224,13 @@ def time_parse(reader: InputReader, blocks: list) -> dict:
         t2 = time.perf_counter()
         fmt_s, feat_s = fmt_s + t1 - t0, feat_s + t2 - t1
         rows, bad = rows + parsed.num_rows, bad + len(parsed.bad)
-    return {"format_s": fmt_s, "featurize_s": feat_s, "parse_s": fmt_s + feat_s, "rows": rows, "bad": bad}
+    return {
+        "format_s": fmt_s,
+        "featurize_s": feat_s,
+        "parse_s": fmt_s + feat_s,
+        "rows": rows,
+        "bad": bad,
+    }
 
 
 def time_old(parser, blocks: list) -> dict:
@@ -214,14 +250,21 @@ def profile(reader: InputReader, blocks: list, top: int = 14) -> str:
     return s.getvalue()
 
 
-# -- the run -------------------------------------------------------------------------------------------
+# -- the run
+# -------------------------------------------------------------------------------------------
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=300_000, help="rows of each generated file (default 300k)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--rows", type=int, default=300_000, help="rows of each generated file (default 300k)"
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
-    p.add_argument("--profile", action="store_true", help="also cProfile each workload's parse (top functions)")
+    p.add_argument(
+        "--profile", action="store_true", help="also cProfile each workload's parse (top functions)"
+    )
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
 
@@ -230,9 +273,15 @@ def main() -> None:
     pa.set_io_thread_count(1)
     with tempfile.TemporaryDirectory(prefix="parse_bench_") as tmp:
         result = measure(Path(tmp), args)
-    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                         "pyarrow": pa.__version__, "numpy": np.__version__, "load_before": load_before,
-                         "load_after": os.getloadavg()[0]}
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "pyarrow": pa.__version__,
+        "numpy": np.__version__,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "parse_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
     md = render_markdown(result)
@@ -246,7 +295,9 @@ def measure(tmp: Path, args) -> dict:
     workloads = make_workloads(tmp, args.rows)
     old = load_old_parser(tmp)
     readers = {name: InputReader(spec, [path]) for name, (spec, path) in workloads.items()}
-    runs: dict[str, list[dict]] = {name: [] for name in [*readers, *(["criteo tsv (old parser)"] if old else [])]}
+    runs: dict[str, list[dict]] = {
+        name: [] for name in [*readers, *(["criteo tsv (old parser)"] if old else [])]
+    }
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
         for name, reader in readers.items():
@@ -258,15 +309,22 @@ def measure(tmp: Path, args) -> dict:
                 old_format, old_features = old
                 spec = old_features.criteo_spec([1_000_000] * 26, [16] * 26)
                 parser = old_format.BlockParser(spec, [str(reader.files[0])])
-                runs["criteo tsv (old parser)"].append({**time_old(parser, blocks), "read_s": read_s})
+                runs["criteo tsv (old parser)"].append(
+                    {**time_old(parser, blocks), "read_s": read_s}
+                )
 
     results = {}
     for name, rs in runs.items():
         rows = rs[0]["rows"]
         parse_s = statistics.median(x["parse_s"] for x in rs)
-        res = {"rows": rows, "parse_rows_per_s": rows / parse_s, "parse_s": parse_s,
-               "end_to_end_rows_per_s": rows / statistics.median(x["parse_s"] + x["read_s"] for x in rs),
-               "read_s": statistics.median(x["read_s"] for x in rs)}
+        res = {
+            "rows": rows,
+            "parse_rows_per_s": rows / parse_s,
+            "parse_s": parse_s,
+            "end_to_end_rows_per_s": rows
+            / statistics.median(x["parse_s"] + x["read_s"] for x in rs),
+            "read_s": statistics.median(x["read_s"] for x in rs),
+        }
         if "format_s" in rs[0]:
             res["format_s"] = statistics.median(x["format_s"] for x in rs)
             res["featurize_s"] = statistics.median(x["featurize_s"] for x in rs)
@@ -279,9 +337,15 @@ def measure(tmp: Path, args) -> dict:
             blocks, _ = read_blocks(reader)
             profiles[name] = profile(reader, blocks)
     return {
-        "rows": args.rows, "rounds": args.rounds, "block_bytes": BLOCK_BYTES,
-        "file_bytes_per_row": {name: path.stat().st_size / args.rows for name, (_, path) in workloads.items()},
-        "results": results, "profiles": profiles, "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rows": args.rows,
+        "rounds": args.rounds,
+        "block_bytes": BLOCK_BYTES,
+        "file_bytes_per_row": {
+            name: path.stat().st_size / args.rows for name, (_, path) in workloads.items()
+        },
+        "results": results,
+        "profiles": profiles,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
     }
 
 
@@ -309,15 +373,18 @@ def render_markdown(r: dict) -> str:
         f"Parse + featurise throughput per worker thread, {r['rows']:,} rows per file, "
         f"{r['block_bytes'] >> 20} MB blocks ({r['date']}; median of {r['rounds']} rounds)",
         "",
-        "| format | parse rows/s (1 thread) | target | pass | format / featurise s | end to end rows/s |",
+        "| format | parse rows/s (1 thread) | target | pass | format / featurise s | end to end "
+        "rows/s |",
         "|---|---:|---|---|---:|---:|",
     ]
     for name, v in r["results"].items():
         verdict = "-" if v["pass"] is None else ("pass" if v["pass"] else "FAIL")
         split = f"{v['format_s']:.2f} / {v['featurize_s']:.2f}" if "format_s" in v else "-"
         extra = f" ({v['vs_old']:.2f}x old)" if "vs_old" in v else ""
-        lines.append(f"| {name} | {v['parse_rows_per_s']:,.0f}{extra} | {v['target'] or '-'} | {verdict} | "
-                     f"{split} | {v['end_to_end_rows_per_s']:,.0f} |")
+        lines.append(
+            f"| {name} | {v['parse_rows_per_s']:,.0f}{extra} | {v['target'] or '-'} | {verdict} | "
+            f"{split} | {v['end_to_end_rows_per_s']:,.0f} |"
+        )
     lines += [
         "",
         "parse: rows / seconds in `InputReader.parse` on blocks already in memory (what one loader "
@@ -325,9 +392,12 @@ def render_markdown(r: dict) -> str:
         "columns; `Featurizer`); end to end: rows / (reading the blocks + parse), where reading a "
         "Parquet block is decoding its row group.",
         "",
-        f"Machine: {m['cpus']} CPU cores shared with other work, {m['platform']}, Python {m['python']}, "
-        f"pyarrow {m['pyarrow']}, numpy {m['numpy']}; Arrow pools set to 1 thread; 1-minute load average "
-        f"{m['load_before']:.2f} before, {m['load_after']:.2f} after (other work on the cores lowers every row "
+        f"Machine: {m['cpus']} CPU cores shared with other work, {m['platform']}, Python "
+        f"{m['python']}, "
+        f"pyarrow {m['pyarrow']}, numpy {m['numpy']}; Arrow pools set to 1 thread; 1-minute load "
+        "average "
+        f"{m['load_before']:.2f} before, {m['load_after']:.2f} after (other work on the cores "
+        "lowers every row "
         "alike: the rounds interleave the workloads, so compare within a run).",
     ]
     return "\n".join(lines) + "\n"

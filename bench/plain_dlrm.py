@@ -20,7 +20,12 @@ def _mlp(sizes: list[int], relu_last: bool) -> nn.Sequential:
 
 class PlainDLRM(nn.Module):
     def __init__(
-        self, rows: list[int], dim: int, bottom: list[int], top: list[int], num_dense: int = 13,
+        self,
+        rows: list[int],
+        dim: int,
+        bottom: list[int],
+        top: list[int],
+        num_dense: int = 13,
         init_scale: float | None = None,
     ):
         super().__init__()
@@ -33,7 +38,9 @@ class PlainDLRM(nn.Module):
         self.register_buffer("iu", torch.triu_indices(n, n, 1), persistent=False)
         self.top = _mlp([dim + n * (n - 1) // 2, *top, 1], relu_last=False)
 
-    def forward(self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, dense: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
         """dense [B, 13]; values/offsets in TBE layout (feature-major, F*B + 1 offsets)."""
         b = dense.shape[0]
         x = self.bottom(dense)  # [B, D]

@@ -57,26 +57,40 @@ def summary(lat: list[float]) -> dict:
     ms = sorted(v * 1e3 for v in lat)
     if not ms:
         return {"probes": 0}
-    return {"probes": len(ms), "p50_ms": statistics.median(ms), "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
-            "max_ms": ms[-1], "over_50ms": sum(v > 50 for v in ms) / len(ms)}
+    return {
+        "probes": len(ms),
+        "p50_ms": statistics.median(ms),
+        "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+        "max_ms": ms[-1],
+        "over_50ms": sum(v > 50 for v in ms) / len(ms),
+    }
 
 
 def run_load(args, gen: LoadGen, bodies: Path, port: int) -> dict:
     stop, got = threading.Event(), {}
-    thread = threading.Thread(target=probing, args=(port, ["/healthz", "/readyz"], args.every_ms / 1e3, stop, got))
+    thread = threading.Thread(
+        target=probing, args=(port, ["/healthz", "/readyz"], args.every_ms / 1e3, stop, got)
+    )
     time.sleep(1.0)
     thread.start()
     result = gen.run(bodies, args.seconds, conns=args.conns)
     stop.set()
     thread.join()
-    return {"scoring": {k: result[k] for k in ("requests", "errors", "elapsed_s") if k in result}
-            | {"requests_per_s": result["requests"] / result["elapsed_s"], "p99_ms": result.get("p99_ms")},
-            **{path: summary(got.get(path, [])) for path in ("/healthz", "/readyz")},
-            "probe_errors": len(got.get("/healthz errors", [])) + len(got.get("/readyz errors", []))}
+    return {
+        "scoring": {k: result[k] for k in ("requests", "errors", "elapsed_s") if k in result}
+        | {
+            "requests_per_s": result["requests"] / result["elapsed_s"],
+            "p99_ms": result.get("p99_ms"),
+        },
+        **{path: summary(got.get(path, [])) for path in ("/healthz", "/readyz")},
+        "probe_errors": len(got.get("/healthz errors", [])) + len(got.get("/readyz errors", [])),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--conns", type=int, default=200)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--every-ms", type=float, default=100.0)
@@ -92,11 +106,18 @@ def main() -> None:
     mixed = [big if i % 8 == 0 else b for i, b in enumerate(singles[:64])]
     port = free_port()
     server = Server("file", f"file://{args.work / 'store'}", port, 1, {})
-    results = {"date": time.strftime("%Y-%m-%d %H:%M"), "conns": args.conns, "seconds": args.seconds,
-               "every_ms": args.every_ms}
+    results = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "conns": args.conns,
+        "seconds": args.seconds,
+        "every_ms": args.every_ms,
+    }
     try:
         gen = LoadGen(loadgen, port, "/v1/models/dlrm:predict", args.work)
-        for name, bodies in (("single instances", singles), ("1 in 8 bodies of 256 instances", mixed)):
+        for name, bodies in (
+            ("single instances", singles),
+            ("1 in 8 bodies of 256 instances", mixed),
+        ):
             print(f"probes: {args.conns} clients, {name}", file=sys.stderr, flush=True)
             results[name] = run_load(args, gen, gen.bodies(name.split()[0], bodies), port)
     finally:
@@ -108,21 +129,31 @@ def main() -> None:
 
 
 def render(r: dict) -> str:
-    lines = [f"Health probes under load ({r['date']}; `python bench/probes.py --conns {r['conns']} --seconds "
-             f"{r['seconds']:g}`): one worker, {r['conns']} clients in a closed loop, a probe every "
-             f"{r['every_ms']:g} ms on a fresh connection", "",
-             "| load | scoring req/s | probe | probes | p50 ms | p99 ms | max ms | over 50 ms |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Health probes under load ({r['date']}; `python bench/probes.py --conns {r['conns']} "
+        "--seconds "
+        f"{r['seconds']:g}`): one worker, {r['conns']} clients in a closed loop, a probe every "
+        f"{r['every_ms']:g} ms on a fresh connection",
+        "",
+        "| load | scoring req/s | probe | probes | p50 ms | p99 ms | max ms | over 50 ms |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for name, v in r.items():
         if not isinstance(v, dict) or "scoring" not in v:
             continue
         for path in ("/healthz", "/readyz"):
             s = v[path]
             if not s.get("probes"):
-                lines.append(f"| {name} | {v['scoring']['requests_per_s']:,.0f} | {path} | 0 | - | - | - | - |")
+                lines.append(
+                    f"| {name} | {v['scoring']['requests_per_s']:,.0f} | {path} | 0 | - | - | - | "
+                    "- |"
+                )
                 continue
-            lines.append(f"| {name} | {v['scoring']['requests_per_s']:,.0f} | {path} | {s['probes']} | "
-                         f"{s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['max_ms']:.1f} | {s['over_50ms']:.0%} |")
+            lines.append(
+                f"| {name} | {v['scoring']['requests_per_s']:,.0f} | {path} | {s['probes']} | "
+                f"{s['p50_ms']:.1f} | {s['p99_ms']:.1f} | {s['max_ms']:.1f} | {s['over_50ms']:.0%} "
+                "|"
+            )
     return "\n".join(lines) + "\n"
 
 

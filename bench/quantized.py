@@ -34,9 +34,25 @@ DTYPES = ("fp32", "fp16", "int8", "int4")
 def train(work: Path, hash_size: int) -> Path:
     run = work / f"run-{hash_size}"
     if not (run / "metrics.json").exists():
-        subprocess.run([*DLRM, "train", "--train", SAMPLE / "train.txt", "--test", SAMPLE / "test.txt", "--out", run,
-                        "--hash-size", str(hash_size), "--no-progress", "--set", "train.checkpoint_every_steps=0"],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                *DLRM,
+                "train",
+                "--train",
+                SAMPLE / "train.txt",
+                "--test",
+                SAMPLE / "test.txt",
+                "--out",
+                run,
+                "--hash-size",
+                str(hash_size),
+                "--no-progress",
+                "--set",
+                "train.checkpoint_every_steps=0",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return run
 
 
@@ -49,15 +65,20 @@ def served_scores(url: str, lines: list[str]) -> np.ndarray:
     out: list[float] = []
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.5))) as client:
         for start in range(0, len(lines), 1000):
-            r = client.post("/v1/models/dlrm:predict_tsv", content="\n".join(lines[start : start + 1000]),
-                            headers={"content-type": "text/plain"})
+            r = client.post(
+                "/v1/models/dlrm:predict_tsv",
+                content="\n".join(lines[start : start + 1000]),
+                headers={"content-type": "text/plain"},
+            )
             r.raise_for_status()
             out += r.json()["predictions"]
     return np.array(out)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench" / "quantized")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--hash-size", type=int, default=100_000, help="rows per table")
@@ -84,19 +105,27 @@ def main() -> None:
             file_url = f"file://{file_root}"
             meta = publish_checkpoint(run, open_store(file_url), version=dtype, row_dtype=dtype)
             rows = sum(t.rows for t in meta.spec.tables)
-            file_bytes = sum(f.stat().st_size for f in (file_root / "versions" / dtype / "tables").iterdir())
+            file_bytes = sum(
+                f.stat().st_size for f in (file_root / "versions" / dtype / "tables").iterdir()
+            )
             client.flushall()
             before = client.info("memory")["used_memory"]
             t0 = time.perf_counter()
             publish_checkpoint(run, open_store(server.url), version=dtype, row_dtype=dtype)
             publish_s = time.perf_counter() - t0
             redis_bytes = client.info("memory")["used_memory"] - before
-            scores = {"file": served_scores(file_url, lines), "redis": served_scores(server.url, lines)}
+            scores = {
+                "file": served_scores(file_url, lines),
+                "redis": served_scores(server.url, lines),
+            }
             results["dtypes"][dtype] = {
                 "payload_bytes_per_row": row_bytes(meta.spec.tables[0].dim, dtype),
-                "file_bytes_per_row": file_bytes / rows, "redis_bytes_per_row": redis_bytes / rows,
-                "redis_publish_rows_per_s": rows / publish_s, "rows": rows,
-                "auc_file": roc_auc(scores["file"], labels), "auc_redis": roc_auc(scores["redis"], labels),
+                "file_bytes_per_row": file_bytes / rows,
+                "redis_bytes_per_row": redis_bytes / rows,
+                "redis_publish_rows_per_s": rows / publish_s,
+                "rows": rows,
+                "auc_file": roc_auc(scores["file"], labels),
+                "auc_redis": roc_auc(scores["redis"], labels),
                 "scores": scores,
             }
     finally:
@@ -104,11 +133,17 @@ def main() -> None:
     fp32 = results["dtypes"]["fp32"]
     for x in results["dtypes"].values():
         x["auc_minus_fp32"] = x["auc_file"] - fp32["auc_file"]
-        x["max_prob_diff_vs_fp32"] = float(np.abs(x["scores"]["file"] - fp32["scores"]["file"]).max())
+        x["max_prob_diff_vs_fp32"] = float(
+            np.abs(x["scores"]["file"] - fp32["scores"]["file"]).max()
+        )
         x["file_equals_redis"] = float(np.abs(x["scores"]["file"] - x["scores"]["redis"]).max())
     for x in results["dtypes"].values():
         del x["scores"]
-    results["config"] = {"hash_size": args.hash_size, "test_rows": len(lines), "date": time.strftime("%Y-%m-%d %H:%M")}
+    results["config"] = {
+        "hash_size": args.hash_size,
+        "test_rows": len(lines),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "quantized.json").write_text(json.dumps(results, indent=2) + "\n")
     md = render(results)
@@ -119,17 +154,23 @@ def main() -> None:
 def render(r: dict) -> str:
     c = r["config"]
     lines = [
-        f"Quantized rows ({c['date']}): the default DLRM, 26 tables x {c['hash_size']:,} rows of dim 16, trained one "
-        f"epoch on the Criteo sample (8,000 rows); served AUC on its {c['test_rows']:,} held-out rows through the API.",
+        f"Quantized rows ({c['date']}): the default DLRM, 26 tables x {c['hash_size']:,} rows of "
+        "dim 16, trained one "
+        f"epoch on the Criteo sample (8,000 rows); served AUC on its {c['test_rows']:,} held-out "
+        "rows through the API.",
         "",
-        "| rows | payload B/row | file B/row | Redis B/row | test AUC (file) | AUC - fp32 | AUC (Redis) | max prob. diff vs fp32 | file vs Redis | Redis publish rows/s |",
+        "| rows | payload B/row | file B/row | Redis B/row | test AUC (file) | AUC - fp32 | AUC "
+        "(Redis) | max prob. diff vs fp32 | file vs Redis | Redis publish rows/s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for dtype, x in r["dtypes"].items():
         lines.append(
-            f"| {dtype} | {x['payload_bytes_per_row']} | {x['file_bytes_per_row']:.1f} | {x['redis_bytes_per_row']:.1f} | "
-            f"{x['auc_file']:.4f} | {x['auc_minus_fp32']:+.4f} | {x['auc_redis']:.4f} | {x['max_prob_diff_vs_fp32']:.4f} | "
-            f"{x['file_equals_redis']:.1e} | {x['redis_publish_rows_per_s']:,.0f} |")
+            f"| {dtype} | {x['payload_bytes_per_row']} | {x['file_bytes_per_row']:.1f} | "
+            f"{x['redis_bytes_per_row']:.1f} | "
+            f"{x['auc_file']:.4f} | {x['auc_minus_fp32']:+.4f} | {x['auc_redis']:.4f} | "
+            f"{x['max_prob_diff_vs_fp32']:.4f} | "
+            f"{x['file_equals_redis']:.1e} | {x['redis_publish_rows_per_s']:,.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

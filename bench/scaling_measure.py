@@ -40,7 +40,8 @@ class Costs:
     lookup_s: float
     """Seconds per sample of a server's fused lookup of all 26 tables, one thread."""
     update_s: float
-    """Seconds per sample of a server's fused row-wise Adagrad update (fbgemm's backward), one thread."""
+    """Seconds per sample of a server's fused row-wise Adagrad update (fbgemm's backward), one
+    thread."""
     correct_s: float
     """Seconds per sample of a corrected lookup's extra work (changed bags, re-lookup, messages)."""
     client_s: float
@@ -84,7 +85,7 @@ def _dense_step(b: int, all_reduce: bool = False):
     from embedding_server.kernels.optimizers import DenseOptimizerConfig, build_dense_optimizer
 
     cfg = dt.bench_config(0, 1)
-    (dense_np, _, y_np), = tt.make_batches(dt.ROWS, "uniform", 1)
+    ((dense_np, _, y_np),) = tt.make_batches(dt.ROWS, "uniform", 1)
     dense, y = torch.from_numpy(dense_np[:b]), torch.from_numpy(y_np[:b])
     model = build_dense_model(cfg.model, tt.NUM_DENSE, [D] * F, D)
     opt = build_dense_optimizer(DenseOptimizerConfig(lr=tt.DENSE_LR), model.parameters())
@@ -136,7 +137,9 @@ def _dense_pair_s(b: int) -> float:
     from dense_trainer.distributed import free_port
 
     out = Path(tempfile.mkdtemp()) / "pair.json"
-    mp.start_processes(_dense_twin, args=(free_port(), b, str(out)), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(
+        _dense_twin, args=(free_port(), b, str(out)), nprocs=2, start_method="spawn", join=True
+    )
     return json.loads(out.read_text()) / b
 
 
@@ -161,7 +164,10 @@ def measure() -> Costs:
     torch.set_num_threads(1)
     pair = _dense_pair_s(b // 2)
     spec = criteo_spec([dt.ROWS] * F, [D] * F)
-    shard = EmbeddingShard([LocalTable(t, i) for i, t in enumerate(spec.tables)], SparseOptimizerConfig(lr=tt.SPARSE_LR))
+    shard = EmbeddingShard(
+        [LocalTable(t, i) for i, t in enumerate(spec.tables)],
+        SparseOptimizerConfig(lr=tt.SPARSE_LR),
+    )
     sparse = SparseFeatures.one_hot(ids)
     ones = torch.ones(b, F * D)
     lookup = _typical_time(lambda: shard(sparse))
@@ -173,8 +179,20 @@ def measure() -> Costs:
     down = _typical_time(lambda: pooled.to(torch.bfloat16))
     half = pooled.to(torch.bfloat16)
     up = _typical_time(lambda: half.to(torch.float32))
-    return Costs(one / b, one / two, pair, lookup / b, max(both - lookup, 0.0) / b, correct / b, client / b, latency,
-                 message_cpu, bw, cpu_per_byte, (down + up) / pooled.numel())
+    return Costs(
+        one / b,
+        one / two,
+        pair,
+        lookup / b,
+        max(both - lookup, 0.0) / b,
+        correct / b,
+        client / b,
+        latency,
+        message_cpu,
+        bw,
+        cpu_per_byte,
+        (down + up) / pooled.numel(),
+    )
 
 
 def _correction_work(shard, ids: torch.Tensor, nxt: torch.Tensor):
@@ -216,7 +234,9 @@ def _client_work(sparse, spec):
         for f in range(len(spec.tables)):
             values, offsets = sparse.feature_values(f)
             pieces = plan.pieces_of(spec.tables[f].name)
-            parts += SCHEMES[pieces[0].kind].route(values, offsets[1:] - offsets[:-1], pieces, spec.tables[f])
+            parts += SCHEMES[pieces[0].kind].route(
+                values, offsets[1:] - offsets[:-1], pieces, spec.tables[f]
+            )
         pack_ids(parts, torch.int32)
         stage.assemble(received, b, [])
         stage.split_grad(grad, b, [])
@@ -268,7 +288,9 @@ def _loopback() -> tuple[float, float, float, float]:
     from dense_trainer.distributed import free_port
 
     out = Path(tempfile.mkdtemp()) / "pp.json"
-    mp.start_processes(_pingpong, args=(free_port(), str(out)), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(
+        _pingpong, args=(free_port(), str(out)), nprocs=2, start_method="spawn", join=True
+    )
     r = json.loads(out.read_text())
     small, big = r["1"], r[str(4 << 20)]
     cpu = max(r[f"cpu{4 << 20}"] - r["cpu1"], 0.0) / (4 << 20)

@@ -81,8 +81,12 @@ def cpu_per_request(server: Server, gen: LoadGen, bodies: Path, seconds: float) 
     cpu0 = process_cpu_s(server.proc.pid)
     result = gen.run(bodies, seconds, conns=1)
     cpu1 = process_cpu_s(server.proc.pid)
-    return {"requests": result["requests"], "cpu_ms": 1e3 * (cpu1 - cpu0) / max(1, result["requests"]),
-            "wall_ms": 1e3 * result["elapsed_s"] / max(1, result["requests"]), "errors": result["errors"]}
+    return {
+        "requests": result["requests"],
+        "cpu_ms": 1e3 * (cpu1 - cpu0) / max(1, result["requests"]),
+        "wall_ms": 1e3 * result["elapsed_s"] / max(1, result["requests"]),
+        "errors": result["errors"],
+    }
 
 
 def cpu_per_request_httpx(server: Server, url: str, bodies: list[bytes]) -> dict:
@@ -93,12 +97,16 @@ def cpu_per_request_httpx(server: Server, url: str, bodies: list[bytes]) -> dict
         for body in bodies:
             client.post(url, content=body, headers=headers)
         cpu0 = process_cpu_s(server.proc.pid)
-        errors = sum(client.post(url, content=body, headers=headers).status_code != 200 for body in bodies)
+        errors = sum(
+            client.post(url, content=body, headers=headers).status_code != 200 for body in bodies
+        )
         cpu1 = process_cpu_s(server.proc.pid)
     return {"requests": len(bodies), "cpu_ms": 1e3 * (cpu1 - cpu0) / len(bodies), "errors": errors}
 
 
-def sweep(gen: LoadGen, url: str, bodies: list[bytes], rates: list[float], seconds: float, p99_ms: float) -> dict:
+def sweep(
+    gen: LoadGen, url: str, bodies: list[bytes], rates: list[float], seconds: float, p99_ms: float
+) -> dict:
     """Open loop at each rate (rising) until p99 exceeds ``p99_ms``, over rows the cold pass (at
     200 requests/s, the first sight of each row) has seen."""
     pool = gen.bodies("pool", bodies[:600])
@@ -145,7 +153,11 @@ def batch_sizes(metrics_url: str, before: dict | None = None) -> dict:
             requests = float(line.split()[-1])
     if before is not None:
         calls, requests = calls - before["model_calls"], requests - before["requests"]
-    return {"model_calls": calls, "requests": requests, "mean_requests_per_call": requests / calls if calls else None}
+    return {
+        "model_calls": calls,
+        "requests": requests,
+        "mean_requests_per_call": requests / calls if calls else None,
+    }
 
 
 def run_server(kind, store_url, args, singles, batch_body, env, loadgen: Path) -> dict:
@@ -167,7 +179,8 @@ def run_server(kind, store_url, args, singles, batch_body, env, loadgen: Path) -
                 out["cpu_httpx"] = cpu_per_request_httpx(server, url, singles[:1000])
             if "concurrent" in phases:
                 metrics = f"http://127.0.0.1:{args.port}/metrics"
-                before = batch_sizes(metrics)  # (the sweep's and cpu phase's lone requests: calls of one)
+                # (the sweep's and cpu phase's lone requests: calls of one)
+                before = batch_sizes(metrics)
                 out["batching_on"] = concurrent_clients(gen, all_singles, 64, args.seconds)
                 out["batching_on_batches"] = batch_sizes(metrics, before)
         finally:
@@ -192,6 +205,7 @@ def run_server(kind, store_url, args, singles, batch_body, env, loadgen: Path) -
 def median_runs(runs: list[dict]) -> dict:
     """Per server, the medians over rounds of the headline numbers (the machine is shared and
     noisy); every round is kept under ``rounds``."""
+
     def med(get):
         values = [get(r) for r in runs]
         values = [v for v in values if v is not None]
@@ -201,7 +215,10 @@ def median_runs(runs: list[dict]) -> dict:
     first = runs[0]
     if "cpu" in first:
         out["cpu_ms"] = med(lambda r: r["cpu"]["cpu_ms"])
-        out["cpu_ms_range"] = [min(r["cpu"]["cpu_ms"] for r in runs), max(r["cpu"]["cpu_ms"] for r in runs)]
+        out["cpu_ms_range"] = [
+            min(r["cpu"]["cpu_ms"] for r in runs),
+            max(r["cpu"]["cpu_ms"] for r in runs),
+        ]
     if "cpu_httpx" in first:
         out["cpu_httpx_ms"] = med(lambda r: r["cpu_httpx"]["cpu_ms"])
     if "sweep" in first:
@@ -210,27 +227,62 @@ def median_runs(runs: list[dict]) -> dict:
         out["cold_p99_ms"] = med(lambda r: r["sweep"]["cold"]["p99_ms"])
     for key in ("batching_on", "batching_off", "batch"):
         if key in first:
-            out[key] = {k: med(lambda r, key=key, k=k: r[key][k]) for k in first[key] if k in ("instances_per_s", "p50_ms", "p99_ms")}
+            out[key] = {
+                k: med(lambda r, key=key, k=k: r[key][k])
+                for k in first[key]
+                if k in ("instances_per_s", "p50_ms", "p99_ms")
+            }
     return out
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--work", type=Path, default=REPO / "build" / "bench" / "serving")
     p.add_argument("--out", type=Path, default=HERE / "results")
-    p.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], default=[200, 400, 600, 800, 1000, 1200, 1500, 1750, 2000, 2250, 2500, 2750, 3000, 3500, 4000, 5000],
-                   help="request rates of the capacity sweep, rising")
+    p.add_argument(
+        "--rates",
+        type=lambda t: [float(x) for x in t.split(",")],
+        default=[
+            200,
+            400,
+            600,
+            800,
+            1000,
+            1200,
+            1500,
+            1750,
+            2000,
+            2250,
+            2500,
+            2750,
+            3000,
+            3500,
+            4000,
+            5000,
+        ],
+        help="request rates of the capacity sweep, rising",
+    )
     p.add_argument("--sweep-seconds", type=float, default=3.0, help="length of each sweep pass")
-    p.add_argument("--p99-ms", type=float, default=15.0, help="a rate is held when p99 is at most this")
-    p.add_argument("--cpu-seconds", type=float, default=4.0, help="length of the cpu phase's timed pass")
+    p.add_argument(
+        "--p99-ms", type=float, default=15.0, help="a rate is held when p99 is at most this"
+    )
+    p.add_argument(
+        "--cpu-seconds", type=float, default=4.0, help="length of the cpu phase's timed pass"
+    )
     p.add_argument("--phases", default="cpu,sweep,concurrent,batch")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--seconds", type=float, default=6.0, help="duration of each closed-loop run")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--port", type=int, default=18765)
     p.add_argument("--servers", default="file,redis,naive")
-    p.add_argument("--row-dtype", type=lambda t: t.split(","), default=["fp32"],
-                   help="row dtypes published and served by the file and Redis servers, e.g. fp32,int8")
+    p.add_argument(
+        "--row-dtype",
+        type=lambda t: t.split(","),
+        default=["fp32"],
+        help="row dtypes published and served by the file and Redis servers, e.g. fp32,int8",
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     args = p.parse_args()
 
@@ -250,7 +302,9 @@ def main() -> None:
     loadgen = build_loadgen(args.work)
     load_before = os.getloadavg()
     singles = [json.dumps({"instances": [i]}).encode() for i in instances(data / "test.txt", 4000)]
-    batch_body = json.dumps({"instances": instances(data / "test.txt", args.batch, offset=4000)}).encode()
+    batch_body = json.dumps(
+        {"instances": instances(data / "test.txt", args.batch, offset=4000)}
+    ).encode()
     results = {}
     redis_dir = args.work / "redis"
     redis_dir.mkdir(parents=True, exist_ok=True)
@@ -258,27 +312,52 @@ def main() -> None:
     try:
         for row_dtype in args.row_dtype if redis is not None else []:
             t0 = time.perf_counter()
-            publish_checkpoint(run, open_store(redis_url(redis.url, row_dtype)), version="bench", row_dtype=row_dtype)
+            publish_checkpoint(
+                run,
+                open_store(redis_url(redis.url, row_dtype)),
+                version="bench",
+                row_dtype=row_dtype,
+            )
             results[f"{server_key('redis', row_dtype)}_publish_s"] = time.perf_counter() - t0
         rounds: dict[str, list[dict]] = {server_key(*s): [] for s in servers}
         for r in range(args.rounds):
             for kind, row_dtype in servers:
                 key = server_key(kind, row_dtype)
-                print(f"serving bench: round {r + 1}/{args.rounds}: {key}", file=sys.stderr, flush=True)
-                url = (redis_url(redis.url, row_dtype) if kind == "redis"
-                       else f"file://{store_dir(args.work, row_dtype)}")
-                rounds[key].append(run_server(kind, url, args, singles, batch_body, {"DLRM_CACHE_MB": "256"}, loadgen))
+                print(
+                    f"serving bench: round {r + 1}/{args.rounds}: {key}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                url = (
+                    redis_url(redis.url, row_dtype)
+                    if kind == "redis"
+                    else f"file://{store_dir(args.work, row_dtype)}"
+                )
+                rounds[key].append(
+                    run_server(
+                        kind, url, args, singles, batch_body, {"DLRM_CACHE_MB": "256"}, loadgen
+                    )
+                )
         for key, runs in rounds.items():
             results[key] = median_runs(runs)
     finally:
         if redis is not None:
             redis.stop(save=False)
-    results["config"] = {"rates": args.rates, "sweep_seconds": args.sweep_seconds, "p99_ms": args.p99_ms,
-                         "cpu_seconds": args.cpu_seconds, "batch": args.batch, "rounds": args.rounds, "phases": args.phases,
-                         "workers": args.workers, "seconds": args.seconds, "cpus": os.cpu_count(),
-                         "row_dtypes": args.row_dtype,
-                         "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-                         "date": time.strftime("%Y-%m-%d %H:%M")}
+    results["config"] = {
+        "rates": args.rates,
+        "sweep_seconds": args.sweep_seconds,
+        "p99_ms": args.p99_ms,
+        "cpu_seconds": args.cpu_seconds,
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "phases": args.phases,
+        "workers": args.workers,
+        "seconds": args.seconds,
+        "cpus": os.cpu_count(),
+        "row_dtypes": args.row_dtype,
+        "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serving.json").write_text(json.dumps(results, indent=2) + "\n")
     md = render(results)
@@ -297,21 +376,36 @@ def _range(span: list[float] | None) -> str:
 def render(r: dict) -> str:
     c = r["config"]
     lines = [
-        f"Serving on loopback, load generator on the same {c['cpus']} cores ({c['date']}; medians of "
-        f"{c['rounds']} interleaved rounds; one uvicorn worker). CPU: server CPU time over {c['cpu_seconds']:.0f} s of "
-        f"sequential single-instance requests (one connection, the C load generator), median and range over the rounds. Capacity: highest of {[int(r) if float(r).is_integer() else r for r in c['rates']]} requests/s held with p99 <= "
-        f"{c['p99_ms']:.0f} ms ({c['sweep_seconds']:.0f} s per rate, single-instance requests, open loop). "
-        f"64 clients: closed loop of single-instance requests for {c['seconds']:.0f} s. Machine load "
+        f"Serving on loopback, load generator on the same {c['cpus']} cores ({c['date']}; medians "
+        "of "
+        f"{c['rounds']} interleaved rounds; one uvicorn worker). CPU: server CPU time over "
+        f"{c['cpu_seconds']:.0f} s of "
+        "sequential single-instance requests (one connection, the C load generator), median and "
+        "range over the rounds. Capacity: highest of "
+        f"{[int(r) if float(r).is_integer() else r for r in c['rates']]} requests/s held "
+        "with p99 <= "
+        f"{c['p99_ms']:.0f} ms ({c['sweep_seconds']:.0f} s per rate, single-instance requests, "
+        "open loop). "
+        f"64 clients: closed loop of single-instance requests for {c['seconds']:.0f} s. Machine "
+        "load "
         f"(1-minute load average, before / after; other tenants included): {c['loadavg_1min']}.",
         "",
-        "| server | CPU ms / request (range) | capacity req/s (p99 <= 15 ms) | cold p50 / p99 ms | 64 clients, batching on: inst/s (p50 / p99 ms) | batching off: inst/s (p50 / p99 ms) | on / off |",
+        "| server | CPU ms / request (range) | capacity req/s (p99 <= 15 ms) | cold p50 / p99 ms "
+        "| 64 clients, batching on: inst/s (p50 / p99 ms) | batching off: inst/s (p50 / "
+        "p99 ms) | on / off |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    names = {"file": "ours, file store (mmap)", "redis": "ours, Redis store + row cache",
-             "naive": "naive: all tables in the API process"}
+    names = {
+        "file": "ours, file store (mmap)",
+        "redis": "ours, Redis store + row cache",
+        "naive": "naive: all tables in the API process",
+    }
     for d in c.get("row_dtypes", ["fp32"]):
         if d != "fp32":
-            names |= {f"file-{d}": f"ours, file store, {d}", f"redis-{d}": f"ours, Redis store, {d}"}
+            names |= {
+                f"file-{d}": f"ours, file store, {d}",
+                f"redis-{d}": f"ours, Redis store, {d}",
+            }
     for kind in names:
         if kind not in r:
             continue
@@ -319,26 +413,53 @@ def render(r: dict) -> str:
         on, off = x.get("batching_on") or {}, x.get("batching_off") or {}
         gain = on["instances_per_s"] / off["instances_per_s"] if on and off else None
         lines.append(
-            f"| {names[kind]} | {_f(x.get('cpu_ms'), '.2f')}{_range(x.get('cpu_ms_range'))} | {_f(x.get('capacity_rps'))} | "
+            f"| {names[kind]} | {_f(x.get('cpu_ms'), '.2f')}{_range(x.get('cpu_ms_range'))} | "
+            f"{_f(x.get('capacity_rps'))} | "
             f"{_f(x.get('cold_p50_ms'), '.1f')} / {_f(x.get('cold_p99_ms'), '.1f')} | "
-            f"{_f(on.get('instances_per_s'))} ({_f(on.get('p50_ms'), '.1f')} / {_f(on.get('p99_ms'), '.1f')}) | "
-            f"{_f(off.get('instances_per_s'))} ({_f(off.get('p50_ms'), '.1f')} / {_f(off.get('p99_ms'), '.1f')}) | "
-            f"{_f(gain, '.2f')}x |")
+            f"{_f(on.get('instances_per_s'))} ({_f(on.get('p50_ms'), '.1f')} / "
+            f"{_f(on.get('p99_ms'), '.1f')}) | "
+            f"{_f(off.get('instances_per_s'))} ({_f(off.get('p50_ms'), '.1f')} / "
+            f"{_f(off.get('p99_ms'), '.1f')}) | "
+            f"{_f(gain, '.2f')}x |"
+        )
     if any("cpu_httpx_ms" in r.get(k, {}) for k in names):
-        lines += ["", "Server CPU ms per request with the requests sent by a Python httpx client instead (phase "
-                  "cpu-httpx, the same servers): " + "; ".join(
-                      f"{k} {r[k]['cpu_httpx_ms']:.2f} (C client {_f(r[k].get('cpu_ms'), '.2f')})"
-                      for k in names if "cpu_httpx_ms" in r.get(k, {}))]
+        lines += [
+            "",
+            "Server CPU ms per request with the requests sent by a Python httpx client instead "
+            "(phase "
+            "cpu-httpx, the same servers): "
+            + "; ".join(
+                f"{k} {r[k]['cpu_httpx_ms']:.2f} (C client {_f(r[k].get('cpu_ms'), '.2f')})"
+                for k in names
+                if "cpu_httpx_ms" in r.get(k, {})
+            ),
+        ]
     if any("batch" in r.get(k, {}) for k in names):
-        lines += ["", f"{c['batch']}-instance requests, 4 connections, {c['workers']} workers: "
-                  + "; ".join(f"{k} {_f(r[k]['batch']['instances_per_s'])} instances/s" for k in names
-                              if "batch" in r.get(k, {}))]
-    per_call = {k: r[k]["rounds"][0].get("batching_on_batches", {}).get("mean_requests_per_call")
-                for k in names if k in r and r[k].get("rounds")}
+        lines += [
+            "",
+            f"{c['batch']}-instance requests, 4 connections, {c['workers']} workers: "
+            + "; ".join(
+                f"{k} {_f(r[k]['batch']['instances_per_s'])} instances/s"
+                for k in names
+                if "batch" in r.get(k, {})
+            ),
+        ]
+    per_call = {
+        k: r[k]["rounds"][0].get("batching_on_batches", {}).get("mean_requests_per_call")
+        for k in names
+        if k in r and r[k].get("rounds")
+    }
     if any(v is not None for v in per_call.values()):
-        lines += ["", "Requests per model call with batching on, 64 clients (from `dlrm_model_batch_requests` "
-                  "over that phase, first round): " + ", ".join(f"{k} {_f(v, '.1f')}" for k, v in per_call.items())]
-    publish = [f"{k[:-len('_publish_s')]} {v:.1f} s" for k, v in r.items() if k.endswith("_publish_s")]
+        lines += [
+            "",
+            "Requests per model call with batching on, 64 clients (from "
+            "`dlrm_model_batch_requests` "
+            "over that phase, first round): "
+            + ", ".join(f"{k} {_f(v, '.1f')}" for k, v in per_call.items()),
+        ]
+    publish = [
+        f"{k[: -len('_publish_s')]} {v:.1f} s" for k, v in r.items() if k.endswith("_publish_s")
+    ]
     if publish:
         lines += ["", f"Publishing the model to Redis took: {', '.join(publish)}."]
     return "\n".join(lines) + "\n"

@@ -29,7 +29,9 @@ def store_dir(work: Path, row_dtype: str) -> Path:
 
 def redis_url(url: str, row_dtype: str) -> str:
     """``url`` with the key prefix of the version published with ``row_dtype``."""
-    return url if row_dtype == "fp32" else f"{url}{'&' if '?' in url else '?'}prefix=dlrm-{row_dtype}"
+    return (
+        url if row_dtype == "fp32" else f"{url}{'&' if '?' in url else '?'}prefix=dlrm-{row_dtype}"
+    )
 
 
 def server_key(kind: str, row_dtype: str) -> str:
@@ -41,17 +43,60 @@ def prepare(work: Path, row_dtypes: tuple[str, ...] | list[str] = ("fp32",)) -> 
     """Data, a trained model and a published file store per row dtype (cached in ``work``)."""
     data, run = work / "data", work / "run"
     if not (data / "bayes.json").exists():
-        subprocess.run([*DLRM, "data", "synth", "--train-rows", "200000", "--test-rows", "20000", "--seed", "3",
-                        "--out", data], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                *DLRM,
+                "data",
+                "synth",
+                "--train-rows",
+                "200000",
+                "--test-rows",
+                "20000",
+                "--seed",
+                "3",
+                "--out",
+                data,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     if not (run / "checkpoints" / "latest").exists():
-        subprocess.run([*DLRM, "train", "--train", data / "train.txt", "--test", data / "test.txt", "--out", run,
-                        "--hash-size", "100000", "--no-progress", "--set", "train.checkpoint_every_steps=0"],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                *DLRM,
+                "train",
+                "--train",
+                data / "train.txt",
+                "--test",
+                data / "test.txt",
+                "--out",
+                run,
+                "--hash-size",
+                "100000",
+                "--no-progress",
+                "--set",
+                "train.checkpoint_every_steps=0",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     for row_dtype in row_dtypes:
         store = store_dir(work, row_dtype)
         if not (store / "CURRENT").exists():
-            subprocess.run([*DLRM, "publish", "--checkpoint", run, "--store", f"file://{store}",
-                            "--row-dtype", row_dtype], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    *DLRM,
+                    "publish",
+                    "--checkpoint",
+                    run,
+                    "--store",
+                    f"file://{store}",
+                    "--row-dtype",
+                    row_dtype,
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
     return data, run
 
 
@@ -64,7 +109,12 @@ def instances(test_file: Path, n: int, offset: int = 0) -> list[dict]:
             if len(out) == n:
                 break
             x = line.rstrip("\n").split("\t")
-            out.append({"dense": [int(v) if v else None for v in x[1:14]], "sparse": [v or None for v in x[14:40]]})
+            out.append(
+                {
+                    "dense": [int(v) if v else None for v in x[1:14]],
+                    "sparse": [v or None for v in x[14:40]],
+                }
+            )
     return out
 
 
@@ -73,26 +123,56 @@ class Server:
         self.kind, self.port = kind, port
         # The server's log goes to a file: a pipe nobody reads fills up with access-log lines
         # (~650 requests) and then blocks the server's logging call, i.e. the server.
-        self.log = tempfile.NamedTemporaryFile(prefix=f"serving-{kind}-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(
+            prefix=f"serving-{kind}-", suffix=".log", delete=False
+        )
         if kind == "naive":
-            cmd = [sys.executable, str(HERE / "naive_serve.py"), "--store", store_url, "--port", str(port),
-                   "--workers", str(workers)]
+            cmd = [
+                sys.executable,
+                str(HERE / "naive_serve.py"),
+                "--store",
+                store_url,
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+            ]
         else:
-            cmd = [*DLRM, "serve", "--store", store_url, "--port", str(port), "--workers", str(workers),
-                   "--log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
-                                     stdout=subprocess.DEVNULL, stderr=self.log)
+            cmd = [
+                *DLRM,
+                "serve",
+                "--store",
+                store_url,
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+                "--log-level",
+                "warning",
+            ]
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **env},
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+        )
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
                     # every worker must be ready: a few more probes hit both
-                    if all(httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200 for _ in range(8)):
+                    if all(
+                        httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200
+                        for _ in range(8)
+                    ):
                         return
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{kind} server exited: {Path(self.log.name).read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"{kind} server exited: {Path(self.log.name).read_text()[-2000:]}"
+                )
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"{kind} server not ready in 120 s")
@@ -124,21 +204,41 @@ class LoadGen:
 
     def bodies(self, name: str, bodies: list[bytes]) -> Path:
         file = self.work / f"bodies-{name}.txt"
-        file.write_bytes(b"\n".join(bodies) + b"\n")  # one JSON body per line (json.dumps has no newline)
+        # one JSON body per line (json.dumps has no newline)
+        file.write_bytes(b"\n".join(bodies) + b"\n")
         return file
 
-    def run(self, bodies: Path, seconds: float, rate: float | None = None, conns: int | None = None) -> dict:
+    def run(
+        self, bodies: Path, seconds: float, rate: float | None = None, conns: int | None = None
+    ) -> dict:
         mode = ["--rate", str(rate)] if rate is not None else ["--conns", str(conns)]
-        out = subprocess.run([self.binary, "--port", str(self.port), "--path", self.path, "--bodies", bodies,
-                              "--seconds", str(seconds), *mode], capture_output=True, text=True, check=True,
-                             timeout=seconds + 60)
+        out = subprocess.run(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--path",
+                self.path,
+                "--bodies",
+                bodies,
+                "--seconds",
+                str(seconds),
+                *mode,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=seconds + 60,
+        )
         result = json.loads(out.stdout)
         result["errors"] += result["timeouts"]
         result["instances_per_s"] = (result["requests"] - result["errors"]) / result["elapsed_s"]
         return result
 
 
-async def closed_loop(url: str, body: bytes, per_request: int, seconds: float, concurrency: int = 4) -> dict:
+async def closed_loop(
+    url: str, body: bytes, per_request: int, seconds: float, concurrency: int = 4
+) -> dict:
     done, errors, lat = 0, 0, []
     async with httpx.AsyncClient(timeout=30) as client:
         stop = time.perf_counter() + seconds
@@ -147,7 +247,9 @@ async def closed_loop(url: str, body: bytes, per_request: int, seconds: float, c
             nonlocal done, errors
             while time.perf_counter() < stop:
                 t0 = time.perf_counter()
-                r = await client.post(url, content=body, headers={"content-type": "application/json"})
+                r = await client.post(
+                    url, content=body, headers={"content-type": "application/json"}
+                )
                 lat.append(time.perf_counter() - t0)
                 if r.status_code == 200:
                     done += per_request
@@ -157,8 +259,12 @@ async def closed_loop(url: str, body: bytes, per_request: int, seconds: float, c
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
-    return {"instances_per_s": done / elapsed, "requests": len(lat), "errors": errors,
-            "p50_ms": 1e3 * statistics.median(lat) if lat else None}
+    return {
+        "instances_per_s": done / elapsed,
+        "requests": len(lat),
+        "errors": errors,
+        "p50_ms": 1e3 * statistics.median(lat) if lat else None,
+    }
 
 
 def process_cpu_s(pid: int) -> float:

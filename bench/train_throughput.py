@@ -87,12 +87,25 @@ def worker_ours(args) -> dict:
     from dense_trainer.train import Trainer
     from dlrm_core.batch import Batch, SparseFeatures
 
-    cfg = load_config(None, [{
-        "embedding": {"dim": DIM, "hash_size": args.rows, "optimizer": {"kind": "rowwise_adagrad", "lr": SPARSE_LR}},
-        "model": {"dense_arch_layer_sizes": BOTTOM, "over_arch_layer_sizes": TOP, "interaction": "dot"},
-        "optim": {"kind": "adam", "lr": DENSE_LR},
-        "train": {"batch_size": BATCH, "progress": False},
-    }])
+    cfg = load_config(
+        None,
+        [
+            {
+                "embedding": {
+                    "dim": DIM,
+                    "hash_size": args.rows,
+                    "optimizer": {"kind": "rowwise_adagrad", "lr": SPARSE_LR},
+                },
+                "model": {
+                    "dense_arch_layer_sizes": BOTTOM,
+                    "over_arch_layer_sizes": TOP,
+                    "interaction": "dot",
+                },
+                "optim": {"kind": "adam", "lr": DENSE_LR},
+                "train": {"batch_size": BATCH, "progress": False},
+            }
+        ],
+    )
     trainer = Trainer(cfg, Path(tempfile.mkdtemp()))
     raw = make_batches(args.rows, args.dist, args.batches)
     batches = [
@@ -112,7 +125,9 @@ def worker_ours(args) -> dict:
         out.backward(torch.ones_like(out))
         if i >= args.warmup:
             emb_times.append(time.perf_counter() - t0)
-            unique = sum(int(torch.unique(b.sparse.values.view(T, -1)[t]).numel()) for t in range(T))
+            unique = sum(
+                int(torch.unique(b.sparse.values.view(T, -1)[t]).numel()) for t in range(T)
+            )
             lookups = BATCH * T * DIM * 4  # rows gathered (fwd) and gradients read (bwd)
             # fwd: read rows + write pooled; bwd: read grads, read+write each unique row and its
             # row-wise accumulator.
@@ -146,7 +161,8 @@ def worker_torchrec(args) -> dict:
 
     keys = [f"t{i}" for i in range(T)]
     tables = [
-        EmbeddingBagConfig(name=k, embedding_dim=DIM, num_embeddings=args.rows, feature_names=[k]) for k in keys
+        EmbeddingBagConfig(name=k, embedding_dim=DIM, num_embeddings=args.rows, feature_names=[k])
+        for k in keys
     ]
     model = DLRM(
         embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
@@ -158,21 +174,29 @@ def worker_torchrec(args) -> dict:
     apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": SPARSE_LR})
     constraints = {
         k: ParameterConstraints(
-            sharding_types=[ShardingType.TABLE_WISE.value], compute_kernels=[EmbeddingComputeKernel.FUSED.value]
+            sharding_types=[ShardingType.TABLE_WISE.value],
+            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
         )
         for k in keys
     }
     topology = Topology(world_size=1, compute_device="cpu")
     sharders = get_default_sharders()
-    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).plan(model, sharders)
-    dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).plan(
+        model, sharders
+    )
+    dmp = DistributedModelParallel(
+        module=model, device=torch.device("cpu"), plan=plan, sharders=sharders
+    )
     dense_opt = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.Adam(p, lr=DENSE_LR)
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda p: torch.optim.Adam(p, lr=DENSE_LR),
     )
     batches = []
     for d, ids, y in make_batches(args.rows, args.dist, args.batches):
         kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=keys, values=torch.from_numpy(ids.reshape(-1)), lengths=torch.ones(T * BATCH, dtype=torch.int32)
+            keys=keys,
+            values=torch.from_numpy(ids.reshape(-1)),
+            lengths=torch.ones(T * BATCH, dtype=torch.int32),
         )
         batches.append((torch.from_numpy(d), kjt, torch.from_numpy(y)))
 
@@ -205,7 +229,9 @@ def worker_plain(args) -> dict:
 
     def step(b):
         dense, values, labels = b
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, values, offsets), labels)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(dense, values, offsets), labels
+        )
         for o in opts:
             o.zero_grad()
         loss.backward()
@@ -224,12 +250,17 @@ def worker_parse(args) -> dict:
 
     tmp = Path(tempfile.mkdtemp())
     synthesize(tmp, train_rows=args.parse_rows, test_rows=2048, seed=0)
-    cfg = load_config(None, [{
-        "embedding": {"dim": DIM, "hash_size": args.rows, "optimizer": {"lr": SPARSE_LR}},
-        "model": {"dense_arch_layer_sizes": BOTTOM, "over_arch_layer_sizes": TOP},
-        "optim": {"lr": DENSE_LR},
-        "train": {"batch_size": BATCH, "progress": False, "checkpoint_every_steps": 0},
-    }])
+    cfg = load_config(
+        None,
+        [
+            {
+                "embedding": {"dim": DIM, "hash_size": args.rows, "optimizer": {"lr": SPARSE_LR}},
+                "model": {"dense_arch_layer_sizes": BOTTOM, "over_arch_layer_sizes": TOP},
+                "optim": {"lr": DENSE_LR},
+                "train": {"batch_size": BATCH, "progress": False, "checkpoint_every_steps": 0},
+            }
+        ],
+    )
     spec = cfg.feature_spec()
     out = {}
     for workers in (1, 2):
@@ -256,14 +287,34 @@ def worker_memcpy(args) -> dict:
     return {"copy_GBps": 2 * n * 4 / statistics.median(times) / 1e9}  # read + write
 
 
-WORKERS = {"ours": worker_ours, "torchrec": worker_torchrec, "plain": worker_plain,
-           "parse": worker_parse, "memcpy": worker_memcpy}
+WORKERS = {
+    "ours": worker_ours,
+    "torchrec": worker_torchrec,
+    "plain": worker_plain,
+    "parse": worker_parse,
+    "memcpy": worker_memcpy,
+}
 
 
 def run_worker(name: str, args, dist: str = "uniform") -> dict:
-    cmd = [sys.executable, __file__, "--worker", name, "--dist", dist, "--rows", str(args.rows),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batches", str(args.batches),
-           "--parse-rows", str(args.parse_rows)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        name,
+        "--dist",
+        dist,
+        "--rows",
+        str(args.rows),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batches",
+        str(args.batches),
+        "--parse-rows",
+        str(args.parse_rows),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {name}/{dist} failed:\n{proc.stderr[-3000:]}")
@@ -271,13 +322,17 @@ def run_worker(name: str, args, dist: str = "uniform") -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", type=int, default=100_000, help="rows per table (default 100k)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batches", type=int, default=8, help="distinct pre-built batches")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every system")
-    p.add_argument("--parse-rows", type=int, default=300_000, help="rows of the file for the parse test")
+    p.add_argument(
+        "--parse-rows", type=int, default=300_000, help="rows of the file for the parse test"
+    )
     p.add_argument("--systems", default="ours,torchrec,plain")
     p.add_argument("--dists", default="uniform,zipf")
     p.add_argument("--out", type=Path, default=HERE / "results")
@@ -325,11 +380,26 @@ def main() -> None:
             ours["embedding_GBps"] = gbps
             ours["embedding_share_of_copy_bw"] = gbps / memcpy["copy_GBps"]
     result = {
-        "workload": {"tables": T, "rows": args.rows, "dim": DIM, "batch": BATCH, "bottom": BOTTOM, "top": TOP,
-                     "sparse_optimizer": "rowwise_adagrad", "dense_optimizer": "adam"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-        "rounds": args.rounds, "timed_steps_per_run": args.steps,
-        "results": table, "parse": parse, "memcpy": memcpy,
+        "workload": {
+            "tables": T,
+            "rows": args.rows,
+            "dim": DIM,
+            "batch": BATCH,
+            "bottom": BOTTOM,
+            "top": TOP,
+            "sparse_optimizer": "rowwise_adagrad",
+            "dense_optimizer": "adam",
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+        },
+        "rounds": args.rounds,
+        "timed_steps_per_run": args.steps,
+        "results": table,
+        "parse": parse,
+        "memcpy": memcpy,
         "torchrec": runs[dists[0]].get("torchrec", [{}])[0].get("torchrec_version"),
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }
@@ -343,11 +413,13 @@ def main() -> None:
 def render_markdown(r: dict) -> str:
     w = r["workload"]
     lines = [
-        f"Training throughput, {w['tables']} tables x {w['rows']:,} rows, dim {w['dim']}, batch {w['batch']}, "
+        f"Training throughput, {w['tables']} tables x {w['rows']:,} rows, dim {w['dim']}, batch "
+        f"{w['batch']}, "
         f"1 process on {r['machine']['cpus']} CPU cores ({r['date']}; median of {r['rounds']} x "
         f"{r['timed_steps_per_run']} steps per system)",
         "",
-        "| ids | system | samples/s | step ms | peak RSS MB | ours: speed ratio | ours: RSS ratio |",
+        "| ids | system | samples/s | step ms | peak RSS MB | ours: speed ratio | ours: RSS ratio "
+        "|",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for d, systems in r["results"].items():
@@ -355,25 +427,36 @@ def render_markdown(r: dict) -> str:
         for s, v in systems.items():
             ratio = f"{ours.get(f'speedup_vs_{s}', 1.0):.2f}x" if s != "ours" else "-"
             rss = f"{ours.get(f'rss_ratio_vs_{s}', 1.0):.2f}x" if s != "ours" else "-"
-            name = {"ours": "ours (fbgemm TBE, fused row-wise Adagrad)",
-                    "torchrec": f"TorchRec {r.get('torchrec') or ''} DMP, world size 1",
-                    "plain": "plain PyTorch (EmbeddingBag + SparseAdam)"}.get(s, s)
-            lines.append(f"| {d} | {name} | {v['samples_per_s']:,.0f} | {v['median_step_ms']:.1f} | "
-                         f"{v['peak_rss_mb']:,.0f} | {ratio} | {rss} |")
+            name = {
+                "ours": "ours (fbgemm TBE, fused row-wise Adagrad)",
+                "torchrec": f"TorchRec {r.get('torchrec') or ''} DMP, world size 1",
+                "plain": "plain PyTorch (EmbeddingBag + SparseAdam)",
+            }.get(s, s)
+            lines.append(
+                f"| {d} | {name} | {v['samples_per_s']:,.0f} | {v['median_step_ms']:.1f} | "
+                f"{v['peak_rss_mb']:,.0f} | {ratio} | {rss} |"
+            )
     p, m = r["parse"], r["memcpy"]
-    lines += ["", "| data path | rows/s |", "|---|---:|",
-              f"| Criteo parse, per worker thread (rows / parse seconds) | {p['parse_rows_per_s_1thread']:,.0f} |",
-              f"| loader, 1 worker | {p['loader_rows_per_s_1w']:,.0f} |",
-              f"| loader, 2 workers | {p['loader_rows_per_s_2w']:,.0f} |",
-              f"| training from the file (ours, samples/s) | {p['train_from_file_samples_per_s']:,.0f} |",
-              f"| of which waiting for the loader | {100 * p['train_from_file_data_wait_share']:.1f}% |"]
+    lines += [
+        "",
+        "| data path | rows/s |",
+        "|---|---:|",
+        "| Criteo parse, per worker thread (rows / parse seconds) | "
+        f"{p['parse_rows_per_s_1thread']:,.0f} |",
+        f"| loader, 1 worker | {p['loader_rows_per_s_1w']:,.0f} |",
+        f"| loader, 2 workers | {p['loader_rows_per_s_2w']:,.0f} |",
+        f"| training from the file (ours, samples/s) | {p['train_from_file_samples_per_s']:,.0f} |",
+        f"| of which waiting for the loader | {100 * p['train_from_file_data_wait_share']:.1f}% |",
+    ]
     lines += ["", "| embedding lookup + fused update (ours) | value |", "|---|---:|"]
     for d, systems in r["results"].items():
         if "ours" in systems:
             o = systems["ours"]
             lines.append(f"| {d}: time per step | {o['embedding_ms']:.2f} ms |")
-            lines.append(f"| {d}: bandwidth | {o['embedding_GBps']:.1f} GB/s "
-                         f"({100 * o['embedding_share_of_copy_bw']:.0f}% of copy bandwidth) |")
+            lines.append(
+                f"| {d}: bandwidth | {o['embedding_GBps']:.1f} GB/s "
+                f"({100 * o['embedding_share_of_copy_bw']:.0f}% of copy bandwidth) |"
+            )
     lines.append(f"| memory copy bandwidth (read + write) | {m['copy_GBps']:.1f} GB/s |")
     return "\n".join(lines) + "\n"
 

@@ -72,10 +72,15 @@ class TrainState:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step, "samples_seen": self.samples_seen, "position": self.position.to_dict(),
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "position": self.position.to_dict(),
             "positions": [p.to_dict() for p in self.positions],
-            "train_seconds": self.train_seconds, "data_wait_seconds": self.data_wait_seconds,
-            "history": self.history, "bad_lines": self.bad_lines, "parse_rows": self.parse_rows,
+            "train_seconds": self.train_seconds,
+            "data_wait_seconds": self.data_wait_seconds,
+            "history": self.history,
+            "bad_lines": self.bad_lines,
+            "parse_rows": self.parse_rows,
             "parse_seconds": self.parse_seconds,
             "consumed": self.consumed.to_dict() if self.consumed is not None else None,
             "block_bytes": self.block_bytes,
@@ -84,10 +89,15 @@ class TrainState:
     @classmethod
     def from_dict(cls, t: dict[str, Any]) -> TrainState:
         return cls(
-            step=t["step"], samples_seen=t["samples_seen"], position=Position(**t["position"]),
+            step=t["step"],
+            samples_seen=t["samples_seen"],
+            position=Position(**t["position"]),
             positions=[Position(**p) for p in t.get("positions", [])],
-            train_seconds=t["train_seconds"], data_wait_seconds=t["data_wait_seconds"],
-            history=list(t["history"]), bad_lines=dict(t["bad_lines"]), parse_rows=t["parse_rows"],
+            train_seconds=t["train_seconds"],
+            data_wait_seconds=t["data_wait_seconds"],
+            history=list(t["history"]),
+            bad_lines=dict(t["bad_lines"]),
+            parse_rows=t["parse_rows"],
             parse_seconds=t["parse_seconds"],
             consumed=Consumed.from_dict(t["consumed"]) if t.get("consumed") else None,
             block_bytes=t.get("block_bytes", 0),
@@ -129,8 +139,12 @@ def compat_meta(trainer: Checkpointed) -> dict[str, Any]:
         "embedding_dim": cfg.embedding.dim,
         "sparse_optimizer": cfg.embedding.optimizer.kind,
         "dense_optimizer": cfg.optim.kind,
-        "towers": {"towers": [t.model_dump() for t in layout.plan.towers], "out_dim": layout.out_dim}
-        if layout else None,
+        "towers": {
+            "towers": [t.model_dump() for t in layout.plan.towers],
+            "out_dim": layout.out_dim,
+        }
+        if layout
+        else None,
     }
 
 
@@ -152,7 +166,9 @@ def dense_snapshot(trainer: Checkpointed) -> dict[str, Any]:
     return {
         "dense.pt": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "optimizer.pt": copy.deepcopy(trainer.optimizer.state_dict()),
-        "trainer.pt": copy.deepcopy({**trainer.state.to_dict(), "torch_rng": torch.get_rng_state()}),
+        "trainer.pt": copy.deepcopy(
+            {**trainer.state.to_dict(), "torch_rng": torch.get_rng_state()}
+        ),
     }
 
 
@@ -184,7 +200,9 @@ class TrainerCheckpoints:
     @property
     def writer(self) -> CheckpointWriter:
         if self._writer is None:
-            self._writer = CheckpointWriter(f"trainer-{self.trainer.rank}", self.cfg.checkpoint_write_bytes_per_s)
+            self._writer = CheckpointWriter(
+                f"trainer-{self.trainer.rank}", self.cfg.checkpoint_write_bytes_per_s
+            )
         return self._writer
 
     def due(self, step: int) -> str | None:
@@ -203,8 +221,12 @@ class TrainerCheckpoints:
 
     def _decide(self, by_step: bool) -> int:
         c, now = self.cfg, time.monotonic()
-        full = by_step or bool(c.checkpoint_every_s and now - self.last_full >= c.checkpoint_every_s)
-        delta = bool(c.checkpoint_delta_every_s and now - self.last_cut >= c.checkpoint_delta_every_s)
+        full = by_step or bool(
+            c.checkpoint_every_s and now - self.last_full >= c.checkpoint_every_s
+        )
+        delta = bool(
+            c.checkpoint_delta_every_s and now - self.last_cut >= c.checkpoint_delta_every_s
+        )
         if not (full or delta):
             return 0
         if self._finalizer is not None and self._finalizer.in_flight:
@@ -227,8 +249,16 @@ class TrainerCheckpoints:
             # The master empties the partial directory before anyone writes into it (servers
             # write only after the CHECKPOINT header), so no leftover of a crashed run joins it.
             directory = partial_dir(t.checkpoint_dir, step, fresh=True)
-            pending = self.finalizer.begin(PendingCut(step, kind, step_name(base) if base is not None else None,
-                                                      self._writers(), self._meta(kind), self.bound_s))
+            pending = self.finalizer.begin(
+                PendingCut(
+                    step,
+                    kind,
+                    step_name(base) if base is not None else None,
+                    self._writers(),
+                    self._meta(kind),
+                    self.bound_s,
+                )
+            )
         tables = t.client.checkpoint(CutRequest(step, base, wait))  # here, or on every server
         if t.is_master:
             files, record = tables or ({}, {})
@@ -243,7 +273,9 @@ class TrainerCheckpoints:
 
     def _join(self, pending: PendingCut | None) -> Path:
         """Wait (with every rank) for the checkpoint already taken at this step."""
-        self.trainer.client.checkpoint(CutRequest(self.trainer.state.step, None, wait=True, taken=True))
+        self.trainer.client.checkpoint(
+            CutRequest(self.trainer.state.step, None, wait=True, taken=True)
+        )
         return self._wait(pending)
 
     def _wait(self, pending: PendingCut | None) -> Path:
@@ -260,20 +292,35 @@ class TrainerCheckpoints:
         out = {f"trainer-{t.rank}": f"trainer {t.rank} (master)"}
         if t.cluster is not None:
             roles = t.cluster.roles
-            out.update({f"server-{k}": roles.describe(roles.server_rank(k)) for k in range(roles.num_servers)})
+            out.update(
+                {
+                    f"server-{k}": roles.describe(roles.server_rank(k))
+                    for k in range(roles.num_servers)
+                }
+            )
         return out
 
     def _meta(self, kind: str) -> dict[str, Any]:
         t = self.trainer
         plan = t.client.plan
-        return {**compat_meta(t), "config": t.cfg.model_dump(mode="json"), "kernel": t.client.kernel,
-                "plan": plan.model_dump() if plan is not None else None, "trainers": t.trainers,
-                "cut_time": time.time()}
+        return {
+            **compat_meta(t),
+            "config": t.cfg.model_dump(mode="json"),
+            "kernel": t.client.kernel,
+            "plan": plan.model_dump() if plan is not None else None,
+            "trainers": t.trainers,
+            "cut_time": time.time(),
+        }
 
     def phase(self, what: str):
-        """A long wait of this rank on storage, bounded like a checkpoint (the heartbeat's phase)."""
+        """A long wait of this rank on storage, bounded like a checkpoint (the heartbeat's
+        phase)."""
         cluster = self.trainer.cluster
-        return cluster.heartbeat.phase(what, self.bound_s) if cluster is not None else contextlib.nullcontext()
+        return (
+            cluster.heartbeat.phase(what, self.bound_s)
+            if cluster is not None
+            else contextlib.nullcontext()
+        )
 
     def close(self) -> None:
         """Finish what is being written (bounded), then stop the threads."""
@@ -308,12 +355,24 @@ def load_checkpoint(trainer: Checkpointed, path: Path) -> TrainState:
     torch.set_rng_state(t["torch_rng"])
     state = TrainState.from_dict(t)
     written_by = saved.get("trainers", 1)
-    elastic = f"; written by {written_by} trainer(s), resumed by {trainer.trainers}" if written_by != trainer.trainers else ""
-    log.info("resumed from %s (step %d, %d samples seen%s)", path, state.step, state.samples_seen, elastic)
+    elastic = (
+        f"; written by {written_by} trainer(s), resumed by {trainer.trainers}"
+        if written_by != trainer.trainers
+        else ""
+    )
+    log.info(
+        "resumed from %s (step %d, %d samples seen%s)",
+        path,
+        state.step,
+        state.samples_seen,
+        elastic,
+    )
     return state
 
 
-def fault_report(trainer: Checkpointed, state: TrainState, checkpoint: Path) -> dict[str, Any] | None:
+def fault_report(
+    trainer: Checkpointed, state: TrainState, checkpoint: Path
+) -> dict[str, Any] | None:
     """What the launcher recorded about the fault that ended the previous run, against the
     step resumed from: the updates redone (lost by the fault)."""
     path = trainer.out_dir / FAULT_FILE
@@ -324,8 +383,18 @@ def fault_report(trainer: Checkpointed, state: TrainState, checkpoint: Path) -> 
     if fault.get("time", 0) < read_manifest(checkpoint)["meta"].get("cut_time", 0):
         return None  # an older fault: a later run wrote this checkpoint
     reached = fault.get("step")
-    report = {**fault, "resumed_step": state.step,
-              "steps_redone": max(0, reached - state.step) if isinstance(reached, int) else None}
-    log.warning("the previous run lost %s (%s) at step %s; resuming from step %d: %s steps of updates redone",
-                fault.get("role"), fault.get("how"), reached, state.step, report["steps_redone"])
+    report = {
+        **fault,
+        "resumed_step": state.step,
+        "steps_redone": max(0, reached - state.step) if isinstance(reached, int) else None,
+    }
+    log.warning(
+        "the previous run lost %s (%s) at step %s; resuming from step %d: %s steps of updates "
+        "redone",
+        fault.get("role"),
+        fault.get("how"),
+        reached,
+        state.step,
+        report["steps_redone"],
+    )
     return report

@@ -31,20 +31,35 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``dlrm train`` and ``dlrm worker``: files, resume, and every config field."""
-    p.add_argument("--train", nargs="+", type=Path, metavar="FILE", help="training files, read in order (required)")
-    p.add_argument("--test", nargs="+", type=Path, metavar="FILE", help="held-out test files (required)")
+    p.add_argument(
+        "--train",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="training files, read in order (required)",
+    )
+    p.add_argument(
+        "--test", nargs="+", type=Path, metavar="FILE", help="held-out test files (required)"
+    )
     p.add_argument("--out", type=Path, metavar="DIR", help="output directory (required)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in --out"
+    )
     add_config_arguments(p)
-    p.epilog = ("Every option may also come from the environment as DLRM_<OPTION>, e.g. DLRM_TRAIN, "
-                "DLRM_EMBEDDING_SERVERS, DLRM_TRAIN_EPOCHS.")
+    p.epilog = (
+        "Every option may also come from the environment as DLRM_<OPTION>, e.g. DLRM_TRAIN, "
+        "DLRM_EMBEDDING_SERVERS, DLRM_TRAIN_EPOCHS."
+    )
 
 
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
     """--config, --set and one flag per config field."""
     p.add_argument("--config", type=Path, metavar="TOML", help="config file (see configs/)")
     p.add_argument(
-        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
         help="override any config field, e.g. --set optim.lr=0.002 (repeatable)",
     )
     add_config_flags(p, Config)
@@ -60,7 +75,10 @@ def config_from_args(args: argparse.Namespace, required: tuple[str, ...] = ()) -
 def run_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, ("train", "test", "out"))
     if cfg.dist.towers and not cfg.dist.embedding_servers:
-        raise ConfigError("--towers needs --embedding-servers: the tower modules run on them (one server per tower at least)")
+        raise ConfigError(
+            "--towers needs --embedding-servers: the tower modules run on them (one server per "
+            "tower at least)"
+        )
     distributed = cfg.dist.embedding_servers or cfg.dist.trainers > 1
     if distributed and not cfg.dist.embedding_servers:
         raise ConfigError("--trainers > 1 needs --embedding-servers (the tables live on them)")
@@ -79,7 +97,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     prepare_out_dir(args.out)
     if distributed:
-        from dense_trainer.distributed import launch_local, make_plan
+        from dense_trainer.distributed import launch_local
+        from dense_trainer.job_plan import make_plan
 
         plan = make_plan(cfg, args.train)  # refuse a model that cannot fit before starting anything
         metrics = launch_local(cfg, args.train, args.test, args.out, args.resume, plan)
@@ -109,7 +128,10 @@ def run_worker_cli(args: argparse.Namespace) -> int:
         raise ConfigError("dlrm worker needs --embedding-servers")
     rank = int(os.environ.get("RANK", "-1"))
     if rank < 0:
-        raise ConfigError("dlrm worker: RANK is not set (launch it with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+        raise ConfigError(
+            "dlrm worker: RANK is not set (launch it with torchrun, or set RANK, WORLD_SIZE, "
+            "MASTER_ADDR, MASTER_PORT)"
+        )
     metrics = run_worker(rank, cfg, args.train, args.test, args.out, args.resume)
     if metrics is not None:
         from dense_trainer.report import format_metrics
@@ -120,12 +142,16 @@ def run_worker_cli(args: argparse.Namespace) -> int:
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "plan", help="print the sharding plan of the tables over embedding servers",
-        description="Plan the tables over --embedding-servers E servers (each holding --server-memory) "
+        "plan",
+        help="print the sharding plan of the tables over embedding servers",
+        description="Plan the tables over --embedding-servers E servers (each holding "
+        "--server-memory) "
         "and print bytes and expected lookups per server; a model that cannot fit is refused, "
         "naming the table and the shortfall.",
     )
-    p.add_argument("--sample", type=Path, metavar="FILE", help="data file to measure pooling factors on")
+    p.add_argument(
+        "--sample", type=Path, metavar="FILE", help="data file to measure pooling factors on"
+    )
     add_config_arguments(p)
     p.set_defaults(func=run_plan, parser=p)
 
@@ -137,12 +163,21 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.sample is not None:
         check_files([args.sample], "sample")
         cfg = prepare_config(cfg, [args.sample])
-    from dense_trainer.distributed import make_plan, pooling_factors  # torch: after the checks
+    from dense_trainer.job_plan import make_plan, pooling_factors  # torch: after the checks
     from embedding_server.planner import describe_plan, table_factors
+
     factors = pooling_factors(cfg, [args.sample]) if args.sample else None  # read the sample once
     plan = make_plan(cfg, factors=factors)
     spec = cfg.feature_spec()
-    print(describe_plan(plan, spec, cfg.embedding.optimizer.kind, cfg.train.batch_size, table_factors(spec, factors)))
+    print(
+        describe_plan(
+            plan,
+            spec,
+            cfg.embedding.optimizer.kind,
+            cfg.train.batch_size,
+            table_factors(spec, factors),
+        )
+    )
     return 0
 
 
@@ -150,19 +185,43 @@ def add_plan_towers_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan-towers",
         help="group the features into towers (DMT) and write a plan for `dlrm train --towers`",
-        description="Group the sparse features into K towers: strongly interacting features share a "
+        description="Group the sparse features into K towers: strongly interacting features share "
+        "a "
         "tower (strength from a short warm-up of the flat model on --train), towers balanced by "
         "table memory and lookups. Prints the towers, their balance and the share of interaction "
         "kept inside towers; writes --out. --method random / contiguous make ablation baselines; "
         "a hand-written plan file is accepted by `dlrm train --towers` as it is.",
     )
     p.add_argument("--towers", "-k", type=int, required=True, metavar="K", help="number of towers")
-    p.add_argument("--out", type=Path, required=True, metavar="PLAN", help="plan file to write (JSON)")
-    p.add_argument("--train", nargs="+", type=Path, metavar="FILE", help="data for the warm-up (needed by --method interaction)")
-    p.add_argument("--method", choices=["interaction", "random", "contiguous"], default="interaction")
-    p.add_argument("--compress", type=int, metavar="C", help="outputs c_t of every tower module (default: no compression)")
-    p.add_argument("--warmup-rows", type=int, default=200_000, metavar="N", help="rows of the warm-up (default 200000)")
-    p.add_argument("--slack", type=float, default=0.15, help="allowed cost above the mean tower (default 0.15)")
+    p.add_argument(
+        "--out", type=Path, required=True, metavar="PLAN", help="plan file to write (JSON)"
+    )
+    p.add_argument(
+        "--train",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="data for the warm-up (needed by --method interaction)",
+    )
+    p.add_argument(
+        "--method", choices=["interaction", "random", "contiguous"], default="interaction"
+    )
+    p.add_argument(
+        "--compress",
+        type=int,
+        metavar="C",
+        help="outputs c_t of every tower module (default: no compression)",
+    )
+    p.add_argument(
+        "--warmup-rows",
+        type=int,
+        default=200_000,
+        metavar="N",
+        help="rows of the warm-up (default 200000)",
+    )
+    p.add_argument(
+        "--slack", type=float, default=0.15, help="allowed cost above the mean tower (default 0.15)"
+    )
     p.add_argument("--seed", type=int, default=0)
     add_config_arguments(p)
     p.set_defaults(func=run_plan_towers, parser=p)
@@ -181,28 +240,40 @@ def run_plan_towers(args: argparse.Namespace) -> int:
     spec = cfg.feature_spec()
     names = spec.sparse_names
     # Features sharing a table must share a tower: they are partitioned as one unit.
-    units = [[f for f, t in enumerate(spec.feature_tables) if t == table]
-             for table in dict.fromkeys(spec.feature_tables)]
+    units = [
+        [f for f, t in enumerate(spec.feature_tables) if t == table]
+        for table in dict.fromkeys(spec.feature_tables)
+    ]
     if not 1 <= args.towers <= len(units):
-        raise ConfigError(f"--towers {args.towers}: must be between 1 and the {len(units)} features "
-                          "(features sharing a table count once)")
+        raise ConfigError(
+            f"--towers {args.towers}: must be between 1 and the {len(units)} features "
+            "(features sharing a table count once)"
+        )
     if args.compress is not None and args.compress < 1:
         raise ConfigError("--compress must be at least 1")
     factors = None
     strength = None
     if args.train:
-        from dense_trainer.distributed import pooling_factors
+        from dense_trainer.job_plan import pooling_factors
 
         factors = pooling_factors(cfg, args.train)
         strength = interaction_strength(cfg, args.train, args.warmup_rows)
     elif args.method == "interaction":
-        raise ConfigError("--method interaction needs --train (the warm-up measures the interactions)")
+        raise ConfigError(
+            "--method interaction needs --train (the warm-up measures the interactions)"
+        )
     costs = feature_costs(cfg, factors)
     unit_costs = np.array([costs[u].sum() for u in units])
     if args.method == "interaction":
-        unit_strength = np.array([[strength[np.ix_(a, b)].sum() if i != j else 0.0 for j, b in enumerate(units)]
-                                  for i, a in enumerate(units)])
-        unit_groups = partition.interaction_towers(unit_strength, unit_costs, args.towers, args.slack, args.seed)
+        unit_strength = np.array(
+            [
+                [strength[np.ix_(a, b)].sum() if i != j else 0.0 for j, b in enumerate(units)]
+                for i, a in enumerate(units)
+            ]
+        )
+        unit_groups = partition.interaction_towers(
+            unit_strength, unit_costs, args.towers, args.slack, args.seed
+        )
     elif args.method == "random":
         unit_groups = partition.random_towers(unit_costs, args.towers, args.seed)
     else:
@@ -211,7 +282,10 @@ def run_plan_towers(args: argparse.Namespace) -> int:
     plan = report.make_plan(names, groups, args.method, args.compress, strength)
     plan.save(args.out)
     print(report.describe_towers(plan, spec, costs, strength))
-    print(f"\nwrote {args.out}; train with: dlrm train --towers {args.out} --embedding-servers {args.towers} ...")
+    print(
+        f"\nwrote {args.out}; train with: dlrm train --towers {args.out} --embedding-servers "
+        f"{args.towers} ..."
+    )
     return 0
 
 
@@ -220,7 +294,8 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
     s = dsub.add_parser(
         "synth",
-        help="generate data from a planted teacher model (Criteo layout, or a CSV/TSV/Parquet table)",
+        help="generate data from a planted teacher model (Criteo layout, or a CSV/TSV/Parquet "
+        "table)",
         description="Write DIR/train.txt, DIR/test.txt and DIR/bayes.json (the Bayes-optimal AUC "
         "and log loss of the test split). With --format csv|tsv|parquet: a user-style table "
         "(string ids, the label in the middle, empty cells, a multi-hot column) in "
@@ -230,30 +305,67 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--test-rows", type=int, required=True, metavar="M")
     s.add_argument("--out", type=Path, required=True, metavar="DIR")
     s.add_argument("--seed", type=int, default=0, metavar="S")
-    s.add_argument("--format", choices=["criteo", "csv", "tsv", "parquet"], default="criteo",
-                   help="criteo (default): the Criteo TSV layout; csv, tsv, parquet: a generic table")
-    s.add_argument("--ctr", type=float, default=None, help="target click rate (default 0.25 criteo, 0.2 tables)")
-    s.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of the id laws (default 1.1)")
+    s.add_argument(
+        "--format",
+        choices=["criteo", "csv", "tsv", "parquet"],
+        default="criteo",
+        help="criteo (default): the Criteo TSV layout; csv, tsv, parquet: a generic table",
+    )
+    s.add_argument(
+        "--ctr",
+        type=float,
+        default=None,
+        help="target click rate (default 0.25 criteo, 0.2 tables)",
+    )
+    s.add_argument(
+        "--zipf", type=float, default=1.1, help="Zipf exponent of the id laws (default 1.1)"
+    )
     s.set_defaults(func=run_synth)
     c = dsub.add_parser(
         "schema",
         help="infer a config's schema ([[features]]) from a sample of your data",
-        description="Read the first rows of FILE(s) (CSV, TSV, Criteo TSV or Parquet, plain or gzip), "
+        description="Read the first rows of FILE(s) (CSV, TSV, Criteo TSV or Parquet, plain or "
+        "gzip), "
         "decide for every column whether it is ignored, dense or categorical (and why), print the "
         "decisions as a markdown table and write --out, a config that `dlrm train --config` takes "
         "as it is. --ignore, --categorical and --dense override the guesses.",
     )
-    c.add_argument("files", nargs="+", type=Path, metavar="FILE", help="data files (the first ones are sampled)")
-    c.add_argument("--label", required=True, metavar="COL", help="the 0/1 label column (a name, or a number)")
-    c.add_argument("--ignore", nargs="+", default=[], metavar="COL", help="columns that are not features")
-    c.add_argument("--categorical", nargs="+", default=[], metavar="COL", help="columns to make categorical")
+    c.add_argument(
+        "files",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="data files (the first ones are sampled)",
+    )
+    c.add_argument(
+        "--label", required=True, metavar="COL", help="the 0/1 label column (a name, or a number)"
+    )
+    c.add_argument(
+        "--ignore", nargs="+", default=[], metavar="COL", help="columns that are not features"
+    )
+    c.add_argument(
+        "--categorical", nargs="+", default=[], metavar="COL", help="columns to make categorical"
+    )
     c.add_argument("--dense", nargs="+", default=[], metavar="COL", help="columns to make dense")
-    c.add_argument("--sample-rows", type=int, default=100_000, metavar="N", help="rows read (default 100000)")
-    c.add_argument("--format", choices=["auto", "csv", "tsv", "parquet", "criteo"], default="auto",
-                   help="input format (default auto: by extension and content)")
-    c.add_argument("--max-rows", type=int, default=1_000_000, metavar="R",
-                   help="cap of a table's rows (default 1000000)")
-    c.add_argument("--out", type=Path, required=True, metavar="CONFIG.toml", help="config file to write")
+    c.add_argument(
+        "--sample-rows", type=int, default=100_000, metavar="N", help="rows read (default 100000)"
+    )
+    c.add_argument(
+        "--format",
+        choices=["auto", "csv", "tsv", "parquet", "criteo"],
+        default="auto",
+        help="input format (default auto: by extension and content)",
+    )
+    c.add_argument(
+        "--max-rows",
+        type=int,
+        default=1_000_000,
+        metavar="R",
+        help="cap of a table's rows (default 1000000)",
+    )
+    c.add_argument(
+        "--out", type=Path, required=True, metavar="CONFIG.toml", help="config file to write"
+    )
     c.set_defaults(func=run_schema)
 
 
@@ -269,7 +381,9 @@ def run_synth(args: argparse.Namespace) -> int:
         raise ConfigError("--ctr must be between 0 and 1")
     try:
         if table:
-            bayes = synthesize_table(args.out, args.train_rows, args.test_rows, args.seed, args.format, ctr, args.zipf)
+            bayes = synthesize_table(
+                args.out, args.train_rows, args.test_rows, args.seed, args.format, ctr, args.zipf
+            )
         else:
             bayes = synthesize(args.out, args.train_rows, args.test_rows, args.seed, ctr, args.zipf)
     except OSError as exc:
@@ -284,21 +398,46 @@ def run_schema(args: argparse.Namespace) -> int:
 
     from dlrm_core.schema_inference import infer_schema
 
-    schema = infer_schema(args.files, args.label, args.ignore, args.categorical, args.dense,
-                          args.sample_rows, args.format, args.max_rows)
-    flags = [("--ignore", args.ignore), ("--categorical", args.categorical), ("--dense", args.dense)]
-    command = shlex.join(["dlrm", "data", "schema", *map(str, args.files), "--label", args.label,
-                          *[a for flag, cols in flags if cols for a in (flag, *cols)],
-                          *(["--sample-rows", str(args.sample_rows)] if args.sample_rows != 100_000 else []),
-                          *(["--format", args.format] if args.format != "auto" else []),
-                          *(["--max-rows", str(args.max_rows)] if args.max_rows != 1_000_000 else []),
-                          "--out", str(args.out)])
+    schema = infer_schema(
+        args.files,
+        args.label,
+        args.ignore,
+        args.categorical,
+        args.dense,
+        args.sample_rows,
+        args.format,
+        args.max_rows,
+    )
+    flags = [
+        ("--ignore", args.ignore),
+        ("--categorical", args.categorical),
+        ("--dense", args.dense),
+    ]
+    command = shlex.join(
+        [
+            "dlrm",
+            "data",
+            "schema",
+            *map(str, args.files),
+            "--label",
+            args.label,
+            *[a for flag, cols in flags if cols for a in (flag, *cols)],
+            *(["--sample-rows", str(args.sample_rows)] if args.sample_rows != 100_000 else []),
+            *(["--format", args.format] if args.format != "auto" else []),
+            *(["--max-rows", str(args.max_rows)] if args.max_rows != 1_000_000 else []),
+            "--out",
+            str(args.out),
+        ]
+    )
     try:
         args.out.write_text(schema.to_toml(command))
     except OSError as exc:
         raise ConfigError(f"--out {args.out}: {exc.strerror or exc}") from None
     load_config(args.out).feature_spec()  # what `dlrm train --config` will do with it
     print(schema.markdown())
-    print(f"\nwrote {args.out}; train with: dlrm train --config {args.out} --train {shlex.join(map(str, args.files))} "
-          "--test TEST_FILES --out DIR")
+    print(
+        f"\nwrote {args.out}; train with: dlrm train --config {args.out} --train "
+        f"{shlex.join(map(str, args.files))} "
+        "--test TEST_FILES --out DIR"
+    )
     return 0

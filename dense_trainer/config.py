@@ -135,8 +135,10 @@ class Config(Section):
         features = self.features
         if features is None:
             if self.format != "criteo":
-                raise ConfigError(f"config: a {self.format} input needs its [[features]] "
-                                  "(`dlrm data schema FILE --label COL --out CONFIG.toml` writes them)")
+                raise ConfigError(
+                    f"config: a {self.format} input needs its [[features]] "
+                    "(`dlrm data schema FILE --label COL --out CONFIG.toml` writes them)"
+                )
             features = criteo_features(self.data.multi_hot_sep)
         if not features:
             raise ConfigError("config: features: the schema has no feature")
@@ -144,11 +146,26 @@ class Config(Section):
         overrides = {t.name: t.model_dump(exclude={"name"}, exclude_none=True) for t in emb.tables}
         try:
             return build_spec(
-                features, self.format, self.label, self.ignore, self.columns, self.header, self.delimiter,
-                table_defaults={"dim": emb.dim, "hash_size": emb.hash_size, "pooling": emb.pooling, "ids": emb.ids,
-                                "admit_after": emb.admit_after, "evict": emb.evict, "ttl_steps": emb.ttl_steps,
-                                "shared_rows": emb.shared_rows, "start_from_shared": emb.start_from_shared},
-                table_overrides=overrides, force_dim=1 if self.model.kind == "lr" else None,
+                features,
+                self.format,
+                self.label,
+                self.ignore,
+                self.columns,
+                self.header,
+                self.delimiter,
+                table_defaults={
+                    "dim": emb.dim,
+                    "hash_size": emb.hash_size,
+                    "pooling": emb.pooling,
+                    "ids": emb.ids,
+                    "admit_after": emb.admit_after,
+                    "evict": emb.evict,
+                    "ttl_steps": emb.ttl_steps,
+                    "shared_rows": emb.shared_rows,
+                    "start_from_shared": emb.start_from_shared,
+                },
+                table_overrides=overrides,
+                force_dim=1 if self.model.kind == "lr" else None,
             )
         except ValueError as exc:
             raise ConfigError(f"config: {exc}") from None
@@ -157,7 +174,9 @@ class Config(Section):
 __all__ = ["Config", "DataConfig", "ModelConfig", "TrainConfig", "load_config", "parse_override"]
 
 
-def load_config(path: Path | str | None = None, overrides: list[dict[str, Any]] | None = None) -> Config:
+def load_config(
+    path: Path | str | None = None, overrides: list[dict[str, Any]] | None = None
+) -> Config:
     """Defaults, then the TOML file, then each override (nested dicts), validated once.
 
     Raises:
@@ -181,6 +200,10 @@ def prepare_config(cfg: Config, train_files: list[Path]) -> Config:
     missing = needs_statistics(cfg.features)
     if missing:
         stats = dense_statistics(spec, train_files, missing)
-        update["features"] = [f.model_copy(update={"mean": stats[f.name][0], "std": stats[f.name][1]})
-                              if f.name in stats else f for f in cfg.features]
+        update["features"] = [
+            f.model_copy(update={"mean": stats[f.name][0], "std": stats[f.name][1]})
+            if f.name in stats
+            else f
+            for f in cfg.features
+        ]
     return cfg.model_copy(update=update) if update else cfg

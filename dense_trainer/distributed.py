@@ -10,8 +10,8 @@ factors measured on the first training file) and broadcasts the plan. Trainers r
 ``Trainer`` with a ``DistributedEmbeddingClient``; servers run ``EmbeddingServer.serve``.
 
 Faults: the local launcher hosts the rendezvous store and watches its children: when one dies,
-or stops beating for ``dist.timeout_s`` (SIGSTOP, a hang: ``embedding_server/runtime/watchdog.py``), it
-stops the others at once, names the lost rank and records it in ``OUT/last-fault.json``. Under
+or stops beating for ``dist.timeout_s`` (SIGSTOP, a hang: ``runtime/watchdog.py``), it stops
+the others at once, names the lost rank and records it in ``OUT/last-fault.json``. Under
 torchrun (or bare ``dlrm worker`` processes) every rank watches every other's beat and gives up
 within ``dist.timeout_s`` (plus a beat) of losing one, naming it; a failed collective ends it
 within the same timeout.
@@ -34,80 +34,29 @@ import torch.distributed as dist
 
 from dense_trainer.checkpointing import FAULT_FILE, storage_rate
 from dense_trainer.config import Config
-from dense_trainer.data.loader import BatchLoader
+from dense_trainer.job_plan import make_plan, tower_layout
 from dense_trainer.rank_context import adopt_launcher_state, launcher_state, rank_context
-from dlrm_core.errors import ConfigError, DlrmError
+from dlrm_core.errors import DlrmError
 from dlrm_core.logs import setup_logging
 from embedding_server.checkpoint.files import latest_checkpoint
 from embedding_server.checkpoint.writer import CheckpointWriter, exit_status
 from embedding_server.client.distributed import DistributedEmbeddingClient
 from embedding_server.planner import (
     ShardingPlan,
-    parse_bytes,
     piece_bytes,
-    plan_sharding,
-    table_factors,
     wire_id_bound,
 )
 from embedding_server.runtime.cluster import Roles, join, open_slow_group
 from embedding_server.runtime.server import EmbeddingServer
 from embedding_server.runtime.transport import exchange_chunks, open_transport
 from embedding_server.runtime.watchdog import SUPERVISED_ENV, JobMonitor, PeerLost, io_bound_s
-from embedding_server.towers.layout import TowerLayout
-from embedding_server.towers.plan import TowerPlan
 from embedding_server.towers.stage import TowerClientStage, TowerServerStage
 from embedding_server.wire import ids_dtype
 
 log = logging.getLogger(__name__)
 
-SAMPLE_ROWS = 20_000
-"""Rows of the first training file read to measure each table's pooling factor."""
 SLOW_MARGIN_S = 30.0
 """The slow group's timeout exceeds every phase bound by this much."""
-
-
-def pooling_factors(cfg: Config, files: list[Path]) -> list[float]:
-    """Mean ids per bag of each categorical feature, on the first rows of the training data."""
-    spec = cfg.feature_spec()
-    loader = BatchLoader(files[:1], spec, SAMPLE_ROWS, num_workers=0, max_rows=SAMPLE_ROWS)
-    batch = next(iter(loader), None)
-    if batch is None:
-        return [1.0] * len(spec.categorical)
-    return [float(x) for x in batch.sparse.lengths().float().mean(dim=1)]
-
-
-def tower_layout(cfg: Config, topology=None) -> TowerLayout | None:
-    """The towers of ``dist.towers`` placed on this job's servers (None without towers)."""
-    d = cfg.dist
-    if not d.towers:
-        return None
-    plan = TowerPlan.load(d.towers)
-    if d.tower_compress:
-        plan = plan.with_compress(d.tower_compress)
-    if cfg.model.kind != "dlrm":
-        raise ConfigError("--towers needs model.kind = dlrm (tower modules feed its interaction)")
-    if cfg.live.store:
-        raise ConfigError("--towers with live updates: the tower modules train on the servers and are not pushed "
-                          "live yet; publish the run's checkpoints instead (dlrm publish)")
-    return TowerLayout(plan, cfg.feature_spec(), d.embedding_servers, d.trainers, topology, d.tower_dim)
-
-
-def make_plan(cfg: Config, files: list[Path] | None = None, factors: list[float] | None = None) -> ShardingPlan:
-    """The sharding plan (per tower with towers); pooling factors (per feature) measured on
-    ``files`` unless given."""
-    d = cfg.dist
-    if factors is None and files:
-        factors = pooling_factors(cfg, files)
-    factors = table_factors(cfg.feature_spec(), factors)
-    memory = parse_bytes(d.server_memory) if d.server_memory else None
-    layout = tower_layout(cfg)
-    if layout is not None:
-        return layout.sharding(cfg.embedding.optimizer.kind, d.sharding, memory, factors)
-    plan = plan_sharding(cfg.feature_spec(), d.embedding_servers, cfg.embedding.optimizer.kind, d.sharding,
-                         memory, factors)
-    if cfg.live.store and any(p.kind == "column_wise" for p in plan.pieces):
-        raise ConfigError("live updates need whole rows on each server: use table- or row-wise sharding")
-    return plan
 
 
 def rank_threads(roles: Roles, rank: int) -> int:
@@ -132,19 +81,44 @@ def slow_timeout_s(cfg: Config, plan: ShardingPlan) -> float:
     return io_bound_s(nbytes, cfg.dist.timeout_s, storage_rate(cfg)) + SLOW_MARGIN_S
 
 
-def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool,
-               plan: ShardingPlan | None = None, prog: str = "dlrm worker") -> dict | None:
+def run_worker(
+    rank: int,
+    cfg: Config,
+    train: list[Path],
+    test: list[Path],
+    out: Path,
+    resume: bool,
+    plan: ShardingPlan | None = None,
+    prog: str = "dlrm worker",
+) -> dict | None:
     """One rank's whole life: join, plan, train or serve, leave. Returns metrics on the master.
     The master plans (or takes ``plan``, made by the local launcher) and broadcasts the plan."""
     roles = Roles(cfg.dist.trainers, cfg.dist.embedding_servers)
     d = cfg.dist
     device = "cuda" if cfg.train.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu"
-    cluster = join(roles, d.timeout_s, rank, d.join_timeout_s, d.hosts, d.topology, d.hierarchical, device,
-                   d.heartbeat_s, prog)
+    cluster = join(
+        roles,
+        d.timeout_s,
+        rank,
+        d.join_timeout_s,
+        d.hosts,
+        d.topology,
+        d.hierarchical,
+        device,
+        d.heartbeat_s,
+        prog,
+    )
     # Who is who, for operators (and the fault tests): out/ranks/rank-<r>.json
     (out / "ranks").mkdir(parents=True, exist_ok=True)
     (out / "ranks" / f"rank-{rank}.json").write_text(
-        json.dumps({"rank": rank, "role": roles.describe(rank), "pid": os.getpid(), "host": socket.gethostname()})
+        json.dumps(
+            {
+                "rank": rank,
+                "role": roles.describe(rank),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            }
+        )
     )
     # Ranks sharing a machine share its cores: oversubscribed OpenMP pools spin against each
     # other and slow every rank down many times over.
@@ -162,42 +136,24 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
         groups = None
         if layout is not None:
             timeout = datetime.timedelta(seconds=d.timeout_s)
-            groups = [dist.new_group([roles.server_rank(s) for s in servers], timeout=timeout) if len(servers) > 1
-                      else None for servers in layout.servers_of]
+            groups = [
+                dist.new_group([roles.server_rank(s) for s in servers], timeout=timeout)
+                if len(servers) > 1
+                else None
+                for servers in layout.servers_of
+            ]
         if cluster.is_trainer:
-            from dense_trainer.train import Trainer
-
-            stage = TowerClientStage(layout, rank, roles.num_servers) if layout is not None else None
-            client = DistributedEmbeddingClient(cluster, plan, spec, grad_scale=1.0 / roles.num_trainers,
-                                                exchange_dtype=cfg.dist.exchange_dtype, stage=stage, chunks=chunks,
-                                                device=device,
-                                                corrected=d.pipeline == "exact" and d.corrected_lookups)
-            trainer = Trainer(cfg, out, client=client, cluster=cluster)
-            cluster.heartbeat.progress = lambda: trainer.state.step
-            metrics = trainer.fit(train, test, resume=resume)
-            return metrics if cluster.is_master else None
-        # An embedding server outlives signals: it stops when the trainers say so (after their
-        # last checkpoint), or when they are gone.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stage = None
-        if layout is not None:
-            def stage(server):
-                return TowerServerStage(server, layout, plan, groups, cfg.optim, cfg.train.seed)
-        writer = CheckpointWriter(f"server-{roles.server_index(rank)}", cfg.train.checkpoint_write_bytes_per_s)
-        server = EmbeddingServer(cluster, plan, spec, cfg.embedding, cfg.dist, cfg.live, cfg.train.seed,
-                                 out / "checkpoints", stage, chunks, writer)
-        cluster.heartbeat.progress = lambda: server.steps
-        if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
-            with cluster.heartbeat.phase(f"restoring {ckpt.name}", cluster.slow_timeout_s - SLOW_MARGIN_S):
-                server.restore(ckpt)
-        dist.barrier(group=cluster.slow_group)  # every rank restored (however long that took)
-        stats = server.serve()
-        dist.gather_object(stats, None, dst=0)
+            return _run_trainer(
+                cluster, cfg, plan, spec, layout, chunks, device, train, test, out, resume
+            )
+        _run_server(cluster, cfg, plan, spec, layout, groups, chunks, out, resume)
         return None
-    except RuntimeError as exc:  # a failed collective (DistBackendError): name the silent peer, if any
+    # a failed collective (DistBackendError): name the silent peer, if any
+    except RuntimeError as exc:
         if (why := cluster.heartbeat.suspect()) is not None:
-            raise PeerLost(f"{why}; {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+            raise PeerLost(
+                f"{why}; {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            ) from None
         raise
     finally:
         cluster.heartbeat.close()
@@ -207,8 +163,96 @@ def run_worker(rank: int, cfg: Config, train: list[Path], test: list[Path], out:
             pass
 
 
-def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: int, result_path: str,
-           plan_json: str, env: dict[str, str], cwd: str) -> None:
+def _run_trainer(
+    cluster,
+    cfg: Config,
+    plan,
+    spec,
+    layout,
+    chunks,
+    device: str,
+    train: list[Path],
+    test: list[Path],
+    out: Path,
+    resume: bool,
+) -> dict | None:
+    """A trainer rank: its distributed client, then the Trainer's run; metrics on the master."""
+    from dense_trainer.train import Trainer
+
+    roles, d = cluster.roles, cfg.dist
+    stage = (
+        TowerClientStage(layout, cluster.rank, roles.num_servers) if layout is not None else None
+    )
+    client = DistributedEmbeddingClient(
+        cluster,
+        plan,
+        spec,
+        grad_scale=1.0 / roles.num_trainers,
+        exchange_dtype=d.exchange_dtype,
+        stage=stage,
+        chunks=chunks,
+        device=device,
+        corrected=d.pipeline == "exact" and d.corrected_lookups,
+    )
+    trainer = Trainer(cfg, out, client=client, cluster=cluster)
+    cluster.heartbeat.progress = lambda: trainer.state.step
+    metrics = trainer.fit(train, test, resume=resume)
+    return metrics if cluster.is_master else None
+
+
+def _run_server(
+    cluster, cfg: Config, plan, spec, layout, groups, chunks, out: Path, resume: bool
+) -> None:
+    """An embedding server rank: it outlives signals and stops when the trainers say so (after
+    their last checkpoint), or when they are gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    stage = None
+    if layout is not None:
+
+        def stage(server):
+            return TowerServerStage(server, layout, plan, groups, cfg.optim, cfg.train.seed)
+
+    index = cluster.roles.server_index(cluster.rank)
+    writer = CheckpointWriter(f"server-{index}", cfg.train.checkpoint_write_bytes_per_s)
+    server = EmbeddingServer(
+        cluster,
+        plan,
+        spec,
+        cfg.embedding,
+        cfg.dist,
+        cfg.live,
+        cfg.train.seed,
+        out / "checkpoints",
+        stage,
+        chunks,
+        writer,
+    )
+    cluster.heartbeat.progress = lambda: server.steps
+    if resume and (ckpt := latest_checkpoint(out / "checkpoints")) is not None:
+        with cluster.heartbeat.phase(
+            f"restoring {ckpt.name}", cluster.slow_timeout_s - SLOW_MARGIN_S
+        ):
+            server.restore(ckpt)
+    dist.barrier(group=cluster.slow_group)  # every rank restored (however long that took)
+    stats = server.serve()
+    dist.gather_object(stats, None, dst=0)
+
+
+def _child(
+    rank: int,
+    cfg_json: str,
+    train,
+    test,
+    out,
+    resume,
+    addr: str,
+    port: int,
+    result_path: str,
+    plan_json: str,
+    env: dict[str, str],
+    cwd: str,
+) -> None:
     adopt_launcher_state(env, cwd)  # as a spawned process would start
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank))
     os.environ[SUPERVISED_ENV] = "1"  # the launcher watches every rank's beat
@@ -216,19 +260,35 @@ def _child(rank: int, cfg_json: str, train, test, out, resume, addr: str, port: 
     os.environ["WORLD_SIZE"] = str(cfg.dist.trainers + cfg.dist.embedding_servers)
     setup_logging(quiet=rank != 0)  # the master speaks for the job
     try:
-        metrics = run_worker(rank, cfg, [Path(f) for f in train], [Path(f) for f in test], Path(out), resume,
-                             ShardingPlan.model_validate_json(plan_json), prog="dlrm train")
+        metrics = run_worker(
+            rank,
+            cfg,
+            [Path(f) for f in train],
+            [Path(f) for f in test],
+            Path(out),
+            resume,
+            ShardingPlan.model_validate_json(plan_json),
+            prog="dlrm train",
+        )
         if metrics is not None:
             Path(result_path).write_text(json.dumps({"ok": True}))
     except KeyboardInterrupt as exc:
         Path(result_path).write_text(json.dumps({"interrupted": str(exc)}))
         raise SystemExit(exit_status(130)) from None
     except DlrmError as exc:
-        print(f"dlrm train: {Roles(cfg.dist.trainers, cfg.dist.embedding_servers).describe(rank)}: error: {exc}", flush=True)
+        print(
+            f"dlrm train: {Roles(cfg.dist.trainers, cfg.dist.embedding_servers).describe(rank)}: "
+            f"error: {exc}",
+            flush=True,
+        )
         raise SystemExit(exit_status(2)) from None
     except Exception as exc:  # a lost peer, or a bug: one line, the traceback only when asked
         role = Roles(cfg.dist.trainers, cfg.dist.embedding_servers).describe(rank)
-        print(f"dlrm train: {role} stopped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        print(
+            f"dlrm train: {role} stopped: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}",
+            flush=True,
+        )
         if os.environ.get("DLRM_DEBUG"):
             traceback.print_exc()
         raise SystemExit(exit_status(1)) from None
@@ -280,21 +340,43 @@ def write_rank_files(out: Path, roles: Roles, pids: list[int]) -> None:
         old.unlink(missing_ok=True)
     for rank, pid in enumerate(pids):
         (ranks / f"rank-{rank}.json").write_text(
-            json.dumps({"rank": rank, "role": roles.describe(rank), "pid": pid, "host": socket.gethostname()}))
+            json.dumps(
+                {
+                    "rank": rank,
+                    "role": roles.describe(rank),
+                    "pid": pid,
+                    "host": socket.gethostname(),
+                }
+            )
+        )
 
 
-def record_fault(out: Path, roles: Roles, rank: int, how: str, monitor: JobMonitor, alive: list[bool]) -> None:
+def record_fault(
+    out: Path, roles: Roles, rank: int, how: str, monitor: JobMonitor, alive: list[bool]
+) -> None:
     """``OUT/last-fault.json``: who was lost, how, and the step the job had reached (the trainers'
     last beats, each live one's after it beats once more; a resumed run reports the steps it
     redoes from it)."""
     steps = [monitor.step(r, alive=alive[r] and r != rank) for r in range(roles.num_trainers)]
     step = max((s for s in steps if s is not None), default=None)
-    fault = {"rank": rank, "role": roles.describe(rank), "how": how, "step": step, "time": time.time()}
+    fault = {
+        "rank": rank,
+        "role": roles.describe(rank),
+        "how": how,
+        "step": step,
+        "time": time.time(),
+    }
     (out / FAULT_FILE).write_text(json.dumps(fault))
 
 
-def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, resume: bool,
-                 plan: ShardingPlan | None = None) -> dict:
+def launch_local(
+    cfg: Config,
+    train: list[Path],
+    test: list[Path],
+    out: Path,
+    resume: bool,
+    plan: ShardingPlan | None = None,
+) -> dict:
     """Run the whole cluster as local processes; return the master's metrics.
 
     The plan is made here (before any process starts, so that a model that cannot fit is
@@ -307,15 +389,33 @@ def launch_local(cfg: Config, train: list[Path], test: list[Path], out: Path, re
     out.mkdir(parents=True, exist_ok=True)
     result = out / ".launch-result.json"
     result.unlink(missing_ok=True)
-    store = dist.TCPStore(cfg.dist.master_addr, port, roles.world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=cfg.dist.join_timeout_s))
+    store = dist.TCPStore(
+        cfg.dist.master_addr,
+        port,
+        roles.world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=cfg.dist.join_timeout_s),
+    )
     ctx = rank_context()
     procs = []
     for rank in range(roles.world_size):
         p = ctx.Process(
-            target=_child, name=roles.describe(rank),
-            args=(rank, cfg.model_dump_json(), [str(f) for f in train], [str(f) for f in test], str(out), resume,
-                  cfg.dist.master_addr, port, str(result), plan.model_dump_json(), *launcher_state()),
+            target=_child,
+            name=roles.describe(rank),
+            args=(
+                rank,
+                cfg.model_dump_json(),
+                [str(f) for f in train],
+                [str(f) for f in test],
+                str(out),
+                resume,
+                cfg.dist.master_addr,
+                port,
+                str(result),
+                plan.model_dump_json(),
+                *launcher_state(),
+            ),
         )
         p.start()
         procs.append(p)

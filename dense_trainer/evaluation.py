@@ -35,7 +35,11 @@ def evaluate(trainer, files: list[Path], max_rows: int = 0) -> dict[str, float]:
     z, y = np.concatenate(logits), np.concatenate(labels)
     if not y.size:
         raise DataError(f"no valid rows in the test data ({', '.join(map(str, files))})")
-    return {"test_auc": roc_auc(z, y), "test_logloss": log_loss_from_logits(z, y), "test_rows": int(y.size)}
+    return {
+        "test_auc": roc_auc(z, y),
+        "test_logloss": log_loss_from_logits(z, y),
+        "test_rows": int(y.size),
+    }
 
 
 def evaluate_into_history(trainer, test_files: list[Path], final: bool) -> dict[str, float]:
@@ -44,8 +48,17 @@ def evaluate_into_history(trainer, test_files: list[Path], final: bool) -> dict[
     result = evaluate(trainer, test_files, max_rows=max_rows)
     log.info(
         "eval at %d samples: AUC %.4f, log loss %.4f over %d rows (%.1fs)",
-        trainer.state.samples_seen, result["test_auc"], result["test_logloss"], result["test_rows"],
+        trainer.state.samples_seen,
+        result["test_auc"],
+        result["test_logloss"],
+        result["test_rows"],
         time.perf_counter() - t0,
     )
     trainer.state.history.append({"samples": trainer.state.samples_seen, **result, "final": final})
     return result
+
+
+def evaluation_due(trainer) -> bool:
+    """Whether a periodic evaluation follows the step just taken (``train.eval_every_steps``)."""
+    every = trainer.cfg.train.eval_every_steps
+    return bool(every) and trainer.state.step % every == 0

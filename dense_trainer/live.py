@@ -1,4 +1,5 @@
-"""Live updates while ``dlrm train`` runs (see ``embedding_server/stores/live.py`` for the mechanics).
+"""Live updates while ``dlrm train`` runs (see ``embedding_server/stores/live.py`` for the
+mechanics).
 
 Single process: at start a full version (``live-<time>-step<N>``) is published from the
 in-memory tables (with the id maps of dynamic tables); the trainer then pushes the rows its
@@ -34,7 +35,9 @@ class LivePublisher:
         dense_every_s: seconds between dense-weight pushes.
     """
 
-    def __init__(self, trainer, store: ServingStore, push_every_s: float = 1.0, dense_every_s: float = 10.0) -> None:
+    def __init__(
+        self, trainer, store: ServingStore, push_every_s: float = 1.0, dense_every_s: float = 10.0
+    ) -> None:
         self.trainer = trainer
         self.store = store
         self.push_every_s = push_every_s
@@ -61,19 +64,27 @@ class LivePublisher:
         """``metrics.json``'s ``live_updates``: the version pushed to and, summed over this
         process's pushers and the embedding servers' (``servers``: their :meth:`LivePusher.stats`),
         pushes, rows pushed, id-map changes, failed pushes and overlay compactions."""
-        parts = [p.stats() for p in {id(p): p for p in (self.rows, self._dense) if p is not None}.values()]
+        parts = [
+            p.stats()
+            for p in {id(p): p for p in (self.rows, self._dense) if p is not None}.values()
+        ]
         total = {k: sum(part[k] for part in [*parts, *servers]) for k in LivePusher.STATS}
         return {"version": self.version, "store": self.store.url, **total}
 
     def _name(self) -> str:
-        return f"live-{time.strftime('%Y%m%d-%H%M%S')}-step{self.trainer.state.step}-{uuid.uuid4().hex[:6]}"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return f"live-{stamp}-step{self.trainer.state.step}-{uuid.uuid4().hex[:6]}"
 
     def start(self) -> str:
         """Publish the in-memory tables and dense weights as a new version; start pushing."""
         t = self.trainer
         meta = ModelVersion(
-            version=self._name(), step=t.state.step, spec=self.spec, model=t.cfg.model.model_dump(mode="json"),
-            embedding_dim=t.cfg.embedding.dim, source="live training",
+            version=self._name(),
+            step=t.state.step,
+            spec=self.spec,
+            model=t.cfg.model.model_dump(mode="json"),
+            embedding_dim=t.cfg.embedding.dim,
+            source="live training",
         )
         weights = t.client.export_state()
         id_rows = t.client.id_rows()
@@ -81,7 +92,11 @@ class LivePublisher:
             for table in self.spec.tables:
                 w = weights[f"{table.name}.weight"]
                 for start in range(0, table.rows, CHUNK_ROWS):
-                    writer.write_rows(table.name, start, w[start : start + CHUNK_ROWS].detach().cpu().float().numpy())
+                    writer.write_rows(
+                        table.name,
+                        start,
+                        w[start : start + CHUNK_ROWS].detach().cpu().float().numpy(),
+                    )
                 if table.name in id_rows:
                     writer.write_id_map(table.name, *(a.numpy() for a in id_rows[table.name]))
             writer.write_dense(t.model.state_dict())
@@ -89,20 +104,32 @@ class LivePublisher:
         self.version = meta.version
         names = [t.name for t in self.spec.tables]
         self.rows = LivePusher(
-            self.store, self.version, [(t.name, 0, t.rows) for t in self.spec.tables],
-            lambda: [self.trainer.client.table_weights()[n] for n in names], self.push_every_s,
+            self.store,
+            self.version,
+            [(t.name, 0, t.rows) for t in self.spec.tables],
+            lambda: [self.trainer.client.table_weights()[n] for n in names],
+            self.push_every_s,
             owners=t.client.id_owners if id_rows else None,
         )
         self._dense = self.rows
-        log.info("live updates: published %s to %s; pushing rows every %.1fs", self.version, self.store.url, self.push_every_s)
+        log.info(
+            "live updates: published %s to %s; pushing rows every %.1fs",
+            self.version,
+            self.store.url,
+            self.push_every_s,
+        )
         return self.version
 
     def start_from_checkpoint(self, checkpoint) -> str:
         """Distributed: publish the job's checkpoint as the live version (master only)."""
         self.version = publish_checkpoint(checkpoint, self.store, version=self._name()).version
         self._dense = LivePusher(self.store, self.version, [], list, self.push_every_s)
-        log.info("live updates: published %s to %s; servers push rows every %.1fs", self.version, self.store.url,
-                 self.push_every_s)
+        log.info(
+            "live updates: published %s to %s; servers push rows every %.1fs",
+            self.version,
+            self.store.url,
+            self.push_every_s,
+        )
         return self.version
 
     def after_step(self, sparse) -> None:
@@ -111,7 +138,9 @@ class LivePublisher:
             b = sparse.batch_size
             values = self.trainer.client.trained_rows(sparse)  # dynamic tables' ids as rows
             for f, t in enumerate(self.spec.feature_tables):  # the rows of feature f's table
-                self.rows.mark(t, values[sparse.offsets[f * b] : sparse.offsets[(f + 1) * b]].numpy())
+                self.rows.mark(
+                    t, values[sparse.offsets[f * b] : sparse.offsets[(f + 1) * b]].numpy()
+                )
             self.rows.maybe_push()
         now = time.monotonic()
         if self._dense is not None and now - self._last_dense >= self.dense_every_s:
@@ -132,14 +161,18 @@ def start_live(trainer) -> None:
 
     live = trainer.cfg.live
     if trainer.cluster is None:  # the tables are here: publish them from memory
-        trainer.live = LivePublisher(trainer, open_store(live.store), live.push_every_s, live.dense_every_s)
+        trainer.live = LivePublisher(
+            trainer, open_store(live.store), live.push_every_s, live.dense_every_s
+        )
         trainer.client.live_start(trainer.live.start)
         return
     # Embedding servers: checkpoint, the master publishes it, then every server pushes its rows.
     checkpoint = trainer.save_checkpoint()
     publish = None
     if trainer.is_master:
-        trainer.live = LivePublisher(trainer, open_store(live.store), live.push_every_s, live.dense_every_s)
+        trainer.live = LivePublisher(
+            trainer, open_store(live.store), live.push_every_s, live.dense_every_s
+        )
 
         def publish() -> str:  # the others wait on the slow group: bounded by the bytes, as this is
             with trainer.checkpoints.phase(f"publishing {checkpoint.name}"):

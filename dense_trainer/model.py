@@ -37,7 +37,10 @@ class MLP(nn.Sequential):
     def freeze(self) -> None:
         """Copy every weight as [in, out] for the no-autograd path; the weights must not change
         afterwards (a served version's network is rebuilt, never updated in place)."""
-        self.frozen = [layer.weight.detach().t().contiguous() if type(layer) is nn.Linear else None for layer in self]
+        self.frozen = [
+            layer.weight.detach().t().contiguous() if type(layer) is nn.Linear else None
+            for layer in self
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.dim() != 2:
@@ -45,7 +48,9 @@ class MLP(nn.Sequential):
         frozen = self.frozen
         for i, layer in enumerate(self):
             if type(layer) is nn.Linear:
-                x = torch.addmm(layer.bias, x, frozen[i] if frozen is not None else layer.weight.t())
+                x = torch.addmm(
+                    layer.bias, x, frozen[i] if frozen is not None else layer.weight.t()
+                )
             elif type(layer) is nn.ReLU:
                 x = x.relu_()  # on the previous layer's own output
             else:
@@ -148,7 +153,8 @@ class LowRankCrossNet(nn.Module):
         super().__init__()
         rank = low_rank if 0 < low_rank < in_features else None
         self.v = nn.ModuleList(
-            nn.Linear(in_features, rank, bias=False) if rank else nn.Identity() for _ in range(num_layers)
+            nn.Linear(in_features, rank, bias=False) if rank else nn.Identity()
+            for _ in range(num_layers)
         )
         self.u = nn.ModuleList(
             nn.Linear(rank or in_features, in_features, bias=True) for _ in range(num_layers)
@@ -177,7 +183,9 @@ class InteractionDCNArch(nn.Module):
         self.crossnet = LowRankCrossNet(in_features, num_layers, low_rank)
 
     def forward(self, dense: torch.Tensor | None, sparse_flat: torch.Tensor) -> torch.Tensor:
-        return self.crossnet(sparse_flat if dense is None else torch.cat([dense, sparse_flat], dim=1))
+        return self.crossnet(
+            sparse_flat if dense is None else torch.cat([dense, sparse_flat], dim=1)
+        )
 
 
 class OverArch(nn.Module):
@@ -206,18 +214,28 @@ class DLRMDense(nn.Module):
             interactions linearly, which dot products alone would blur.
     """
 
-    def __init__(self, num_dense: int, table_dims: list[int], cfg: ModelConfig, embedding_dim: int,
-                 append_embeddings: bool = False) -> None:
+    def __init__(
+        self,
+        num_dense: int,
+        table_dims: list[int],
+        cfg: ModelConfig,
+        embedding_dim: int,
+        append_embeddings: bool = False,
+    ) -> None:
         super().__init__()
         self.table_dims = list(table_dims)
         d = self.dim = embedding_dim
-        self.dense_arch = DenseArch(num_dense, [*cfg.dense_arch_layer_sizes, d]) if num_dense else None
+        self.dense_arch = (
+            DenseArch(num_dense, [*cfg.dense_arch_layer_sizes, d]) if num_dense else None
+        )
         self.dense_vector = None if num_dense else nn.Parameter(torch.full((d,), d**-0.5))  # [D]
         dense_out = d if num_dense or table_dims else 0
         # Tables whose dim differs from D are projected to D for the dot interaction.
         self.mixed_dims = any(t != d for t in table_dims)
         self.project = (
-            nn.ModuleList(nn.Identity() if t == d else nn.Linear(t, d, bias=False) for t in table_dims)
+            nn.ModuleList(
+                nn.Identity() if t == d else nn.Linear(t, d, bias=False) for t in table_dims
+            )
             if self.mixed_dims and cfg.interaction == "dot"
             else None
         )
@@ -225,7 +243,11 @@ class DLRMDense(nn.Module):
         self.interaction = cfg.interaction if table_dims else "none"
         if self.interaction == "dot":
             self.inter_arch: nn.Module | None = InteractionArch(len(table_dims))
-            over_in = dense_out + self.inter_arch.num_pairs + (sum(table_dims) if self.append_embeddings else 0)
+            over_in = (
+                dense_out
+                + self.inter_arch.num_pairs
+                + (sum(table_dims) if self.append_embeddings else 0)
+            )
         elif self.interaction == "dcn":
             over_in = dense_out + sum(table_dims)
             self.inter_arch = InteractionDCNArch(over_in, cfg.dcn_num_layers, cfg.dcn_low_rank)
@@ -245,7 +267,8 @@ class DLRMDense(nn.Module):
             z = self.inter_arch(x, embedded)  # [B, D + sum(D_f)]
         else:
             if self.project is None:
-                sparse = embedded.view(embedded.shape[0], len(self.table_dims), self.dim)  # [B, F, D]
+                # [B, F, D]
+                sparse = embedded.view(embedded.shape[0], len(self.table_dims), self.dim)
             else:
                 parts = torch.split(embedded, self.table_dims, dim=1)
                 sparse = torch.stack([p(e) for p, e in zip(self.project, parts, strict=True)], 1)
@@ -278,7 +301,9 @@ class TowerDLRM(nn.Module):
     dense [B, I], embedded [B, F * D] (table order) -> logits [B]
     """
 
-    def __init__(self, features_of: list[list[int]], towers: nn.ModuleList, net: nn.Module, dim: int) -> None:
+    def __init__(
+        self, features_of: list[list[int]], towers: nn.ModuleList, net: nn.Module, dim: int
+    ) -> None:
         super().__init__()
         self.features_of = [list(t) for t in features_of]
         self.towers = towers
@@ -287,11 +312,16 @@ class TowerDLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         z = embedded.view(embedded.shape[0], sum(map(len, self.features_of)), self.dim)  # [B, F, D]
-        outs = [tower(z[:, tables]) for tower, tables in zip(self.towers, self.features_of, strict=True)]  # [B, c_t, D']
+        # [B, c_t, D']
+        outs = [
+            tower(z[:, tables]) for tower, tables in zip(self.towers, self.features_of, strict=True)
+        ]
         return self.net(dense, torch.cat(outs, dim=1).flatten(1))  # [B, C * D'] -> [B]
 
 
-def build_served_model(cfg: ModelConfig, spec, embedding_dim: int, towers: dict | None = None) -> nn.Module:
+def build_served_model(
+    cfg: ModelConfig, spec, embedding_dim: int, towers: dict | None = None
+) -> nn.Module:
     """The network a published version runs on pooled embeddings in table order: the dense model,
     or with a compressed tower plan (``ModelVersion.towers``) the tower modules before it."""
     dims = spec.feature_dims
@@ -305,13 +335,21 @@ def build_served_model(cfg: ModelConfig, spec, embedding_dim: int, towers: dict 
     features_of = [[index[f] for f in tower.features] for tower in plan.towers]
     outputs = [tower.outputs for tower in plan.towers]
     dim, out_dim = dims[0], towers["out_dim"]
-    modules = nn.ModuleList(TowerModule(len(t), c, dim, out_dim) for t, c in zip(features_of, outputs, strict=True))
-    net = build_dense_model(cfg, len(spec.dense), [out_dim] * sum(outputs), out_dim, append_embeddings=True)
+    modules = nn.ModuleList(
+        TowerModule(len(t), c, dim, out_dim) for t, c in zip(features_of, outputs, strict=True)
+    )
+    net = build_dense_model(
+        cfg, len(spec.dense), [out_dim] * sum(outputs), out_dim, append_embeddings=True
+    )
     return TowerDLRM(features_of, modules, net, dim)
 
 
 def build_dense_model(
-    cfg: ModelConfig, num_dense: int, table_dims: list[int], embedding_dim: int, append_embeddings: bool = False
+    cfg: ModelConfig,
+    num_dense: int,
+    table_dims: list[int],
+    embedding_dim: int,
+    append_embeddings: bool = False,
 ) -> nn.Module:
     if cfg.kind == "lr":
         return LogisticRegression(num_dense, len(table_dims))

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def plot_curves(history: list[dict], path: Path, title: str, bayes_auc: float | None = None) -> None:
+def plot_curves(
+    history: list[dict], path: Path, title: str, bayes_auc: float | None = None
+) -> None:
     """Plot ``history`` entries: ``{"samples", "train_loss"}`` and/or ``{"samples", "test_auc"}``.
 
     matplotlib is imported here, at the end of a run: importing it costs every rank a third of a
@@ -14,6 +16,7 @@ def plot_curves(history: list[dict], path: Path, title: str, bayes_auc: float | 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     loss = [(h["samples"], h["train_loss"]) for h in history if "train_loss" in h]
     auc = [(h["samples"], h["test_auc"]) for h in history if h.get("test_auc") is not None]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)

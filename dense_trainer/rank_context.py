@@ -15,7 +15,11 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 
-RANK_PRELOAD = ["dense_trainer.distributed", "dense_trainer.train", "embedding_server.runtime.server"]
+RANK_PRELOAD = [
+    "dense_trainer.distributed",
+    "dense_trainer.train",
+    "embedding_server.runtime.server",
+]
 """What the fork server imports before forking the ranks."""
 
 

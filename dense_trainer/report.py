@@ -28,8 +28,9 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
-                  cluster_stats: dict | None = None) -> dict[str, Any]:
+def write_metrics(
+    trainer, final: dict, train_files, test_files, finished: bool, cluster_stats: dict | None = None
+) -> dict[str, Any]:
     """``metrics.json`` and ``curves.png`` (master only) of ``trainer`` (``train.Trainer``, which
     calls this); returns the metrics."""
     s = trainer.state
@@ -58,29 +59,44 @@ def write_metrics(trainer, final: dict, train_files, test_files, finished: bool,
         "config": trainer.cfg.model_dump(mode="json"),
         "trainers": trainer.trainers,
         "embedding_servers": trainer.cluster.roles.num_servers if trainer.cluster else 0,
-        "step_time_breakdown_ms": {k.removesuffix("_s"): 1e3 * v / max(s.step, 1) for k, v in trainer.timings.items()},
+        "step_time_breakdown_ms": {
+            k.removesuffix("_s"): 1e3 * v / max(s.step, 1) for k, v in trainer.timings.items()
+        },
     }
     if trainer.is_master:  # what the run's checkpoints wrote, and the fault it resumed from
         done = trainer.checkpoints.finalizer.completed
-        metrics["checkpoints"] = {"written": len(done), "skipped": trainer.checkpoints.skipped,
-                                  "longest_s": max((c["seconds"] for c in done), default=None),
-                                  "last": done[-1] if done else None}
+        metrics["checkpoints"] = {
+            "written": len(done),
+            "skipped": trainer.checkpoints.skipped,
+            "longest_s": max((c["seconds"] for c in done), default=None),
+            "last": done[-1] if done else None,
+        }
         metrics["resumed_after_fault"] = trainer.resumed
     if cfg_losses := trainer.step_losses:
         metrics["step_losses"] = cfg_losses
     trainers = [r for r in (cluster_stats or {}).get("ranks", []) if "rows_parsed" in r]
-    metrics["rows_parsed_by_trainer"] = [r["rows_parsed"] for r in trainers] if trainers else [s.parse_rows]
+    metrics["rows_parsed_by_trainer"] = (
+        [r["rows_parsed"] for r in trainers] if trainers else [s.parse_rows]
+    )
     if cluster_stats is not None:
-        metrics.update(cluster_metrics(cluster_stats, sum(trainer.client.output_dims()), len(trainer.spec.tables), s))
+        metrics.update(
+            cluster_metrics(
+                cluster_stats, sum(trainer.client.output_dims()), len(trainer.spec.tables), s
+            )
+        )
     servers = [r.get("ids", {}) for r in (cluster_stats or {}).get("ranks", []) if "server" in r]
     metrics.update(id_metrics(merge_piece_stats([trainer.client.id_stats(), *servers])))
     if trainer.live is not None:
-        metrics["live_updates"] = trainer.live.stats([r["live"] for r in (cluster_stats or {}).get("ranks", [])
-                                                      if "live" in r])
+        metrics["live_updates"] = trainer.live.stats(
+            [r["live"] for r in (cluster_stats or {}).get("ranks", []) if "live" in r]
+        )
     if not trainer.is_master:
         return metrics
     (trainer.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    title = f"{trainer.cfg.model.kind}/{trainer.cfg.model.interaction}: test AUC {final['test_auc']:.4f}"
+    title = (
+        f"{trainer.cfg.model.kind}/{trainer.cfg.model.interaction}: test AUC "
+        f"{final['test_auc']:.4f}"
+    )
     plot_curves(s.history, trainer.out_dir / "curves.png", title, metrics["bayes_auc"])
     return metrics
 
@@ -92,8 +108,12 @@ def id_metrics(stats: dict[str, dict[str, int]]) -> dict[str, Any]:
     if not stats:
         return {}
     pick = lambda key: {name: s[key] for name, s in sorted(stats.items())}  # noqa: E731
-    return {"embedding_rows_used": pick("rows_used"), "embedding_ids_admitted": pick("admitted"),
-            "embedding_ids_evicted": pick("evicted"), "embedding_default_row_lookups": pick("default_lookups")}
+    return {
+        "embedding_rows_used": pick("rows_used"),
+        "embedding_ids_admitted": pick("admitted"),
+        "embedding_ids_evicted": pick("evicted"),
+        "embedding_default_row_lookups": pick("default_lookups"),
+    }
 
 
 def cluster_metrics(stats: dict, width: int, num_tables: int, state: TrainState) -> dict[str, Any]:
@@ -104,7 +124,8 @@ def cluster_metrics(stats: dict, width: int, num_tables: int, state: TrainState)
     samples = max(state.samples_seen, 1)
     out_bytes = sum(r["client"]["bytes_out"] for r in trainer_stats)
     in_bytes = sum(r["client"]["bytes_in"] for r in trainer_stats)
-    minimum = {"ids": 4 * num_tables, "pooled": 4 * width, "gradients": 4 * width}  # width: sum D_t, or C * D'
+    # width: sum D_t, or C * D'
+    minimum = {"ids": 4 * num_tables, "pooled": 4 * width, "gradients": 4 * width}
     steps = max(state.step, 1)
     comm_ms = 1e3 * sum(r["client"]["comm_s"] for r in trainer_stats) / len(trainer_stats) / steps
     cross = sum(r.get("exchange", {}).get("cross_host_bytes", 0) for r in trainer_stats)
@@ -117,22 +138,29 @@ def cluster_metrics(stats: dict, width: int, num_tables: int, state: TrainState)
         "alltoall_bytes_per_sample": {
             "trainers_to_servers": out_bytes / samples,
             "servers_to_trainers": in_bytes / samples,
-            "corrections": sum(r["client"].get("correction_bytes", 0) for r in trainer_stats) / samples,
+            "corrections": sum(r["client"].get("correction_bytes", 0) for r in trainer_stats)
+            / samples,
             "analytical_minimum": minimum,
             "note": "trainers_to_servers counts ids, bag lengths, headers and gradients (training "
-                    "and evaluation lookups); the minimum is one int32 id per feature and the "
-                    "fp32 pooled vectors and their gradients; corrections (exact pipelining: "
-                    "bags the previous update changed, looked up again) come on top of "
-                    "servers_to_trainers",
+            "and evaluation lookups); the minimum is one int32 id per feature and the "
+            "fp32 pooled vectors and their gradients; corrections (exact pipelining: "
+            "bags the previous update changed, looked up again) come on top of "
+            "servers_to_trainers",
         },
         "server_time_ms_per_step": {
             "lookup": 1e3 * max(r["lookup_s"] for r in servers) / steps if servers else 0.0,
             "update": 1e3 * max(r["update_s"] for r in servers) / steps if servers else 0.0,
-            "tower_module": 1e3 * max(r.get("tower_s", 0.0) for r in servers) / steps if servers else 0.0,
-            "correct": 1e3 * max(r.get("correct_s", 0.0) for r in servers) / steps if servers else 0.0,
+            "tower_module": 1e3 * max(r.get("tower_s", 0.0) for r in servers) / steps
+            if servers
+            else 0.0,
+            "correct": 1e3 * max(r.get("correct_s", 0.0) for r in servers) / steps
+            if servers
+            else 0.0,
         },
-        "corrected_bag_share": (sum(r.get("corrected_bags", 0.0) for r in servers)
-                                / max(sum(r.get("bags", 0.0) for r in servers), 1.0)),
+        "corrected_bag_share": (
+            sum(r.get("corrected_bags", 0.0) for r in servers)
+            / max(sum(r.get("bags", 0.0) for r in servers), 1.0)
+        ),
         "communication_ms_per_step": comm_ms,
     }
 
@@ -154,11 +182,20 @@ def format_metrics(m: dict) -> str:
         ("test log loss", f"{m['test_logloss']:.4f}"),
     ]
     if m.get("bayes_auc") is not None:
-        rows += [("Bayes-optimal AUC", f"{m['bayes_auc']:.4f}"), ("Bayes-optimal log loss", f"{m['bayes_logloss']:.4f}")]
+        rows += [
+            ("Bayes-optimal AUC", f"{m['bayes_auc']:.4f}"),
+            ("Bayes-optimal log loss", f"{m['bayes_logloss']:.4f}"),
+        ]
     rows += [
         ("train samples/s", f"{m['train_samples_per_s']:,.0f}"),
-        ("parse rows/s (1 thread)", f"{m['parse_rows_per_s']:,.0f}" if m.get("parse_rows_per_s") else "-"),
-        ("time waiting for data", f"{100 * m['data_wait_share']:.1f}%" if m.get("data_wait_share") is not None else "-"),
+        (
+            "parse rows/s (1 thread)",
+            f"{m['parse_rows_per_s']:,.0f}" if m.get("parse_rows_per_s") else "-",
+        ),
+        (
+            "time waiting for data",
+            f"{100 * m['data_wait_share']:.1f}%" if m.get("data_wait_share") is not None else "-",
+        ),
         ("samples seen", f"{m['samples_seen']:,}"),
         ("steps", f"{m['steps']:,}"),
         ("epochs", str(m["epochs"])),
@@ -177,8 +214,12 @@ def id_progress(stats: dict[str, dict[str, int]]) -> dict[str, str]:
     if not stats:
         return {}
     total = lambda key: sum(s[key] for s in stats.values())  # noqa: E731
-    return {"rows": f"{total('rows_used'):,}", "admitted": f"{total('admitted'):,}",
-            "evicted": f"{total('evicted'):,}", "default": f"{total('default_lookups'):,}"}
+    return {
+        "rows": f"{total('rows_used'):,}",
+        "admitted": f"{total('admitted'):,}",
+        "evicted": f"{total('evicted'):,}",
+        "default": f"{total('default_lookups'):,}",
+    }
 
 
 class RunningLoss:
@@ -189,9 +230,14 @@ class RunningLoss:
         self.loss_sum = torch.zeros((), device=trainer.device)
         self.steps = self.samples = 0
         self.bar = tqdm(
-            desc="train", unit="samples", unit_scale=True,
-            disable=not (trainer.cfg.train.progress and trainer.is_master), dynamic_ncols=True,
-            mininterval=0.5, file=sys.stderr, initial=initial,
+            desc="train",
+            unit="samples",
+            unit_scale=True,
+            disable=not (trainer.cfg.train.progress and trainer.is_master),
+            dynamic_ncols=True,
+            mininterval=0.5,
+            file=sys.stderr,
+            initial=initial,
         )
 
     def add(self, loss: torch.Tensor, b: int, epoch: int) -> None:
@@ -203,7 +249,12 @@ class RunningLoss:
         self.samples += b
         if self.steps % 20 == 0 or self.steps == 1:
             running = float(self.loss_sum) / self.samples
-            self.bar.set_postfix(loss=f"{running:.4f}", epoch=epoch, **id_progress(t.client.id_stats()), refresh=False)
+            self.bar.set_postfix(
+                loss=f"{running:.4f}",
+                epoch=epoch,
+                **id_progress(t.client.id_stats()),
+                refresh=False,
+            )
             t.state.history.append({"samples": t.state.samples_seen, "train_loss": running})
             self.loss_sum.zero_()
             self.samples = 0

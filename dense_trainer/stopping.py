@@ -19,7 +19,10 @@ def stop_signals(trainer) -> Iterator[None]:
 
     def on_signal(signum, _frame) -> None:
         trainer._stop_signal = signum
-        log.warning("received %s: stopping after this step and writing a checkpoint", signal.Signals(signum).name)
+        log.warning(
+            "received %s: stopping after this step and writing a checkpoint",
+            signal.Signals(signum).name,
+        )
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -28,14 +31,19 @@ def stop_signals(trainer) -> Iterator[None]:
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
+
 def stop_cluster(trainer) -> dict | None:
     """Stop the embedding servers and collect every rank's timings and traffic at the master."""
     if trainer.cluster is None:
         return None
     trainer.client.close()
-    mine = {"rank": trainer.rank, "timings": dict(trainer.timings), "client": dict(trainer.client.stats),
-            "rows_parsed": trainer.state.parse_rows,
-            "exchange": dict(trainer.cluster.transport.stats) if trainer.cluster.transport else {}}
+    mine = {
+        "rank": trainer.rank,
+        "timings": dict(trainer.timings),
+        "client": dict(trainer.client.stats),
+        "rows_parsed": trainer.state.parse_rows,
+        "exchange": dict(trainer.cluster.transport.stats) if trainer.cluster.transport else {},
+    }
     gathered: list | None = [None] * trainer.cluster.roles.world_size if trainer.is_master else None
     dist.gather_object(mine, gathered, dst=0)
     return {"ranks": gathered} if trainer.is_master else None

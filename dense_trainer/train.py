@@ -37,7 +37,7 @@ from dense_trainer.config import Config, prepare_config
 from dense_trainer.data.elastic import Consumed
 from dense_trainer.data.loader import BatchLoader
 from dense_trainer.data.steps import Step, Steps, partial_step, resume_positions
-from dense_trainer.evaluation import evaluate, evaluate_into_history
+from dense_trainer.evaluation import evaluate, evaluate_into_history, evaluation_due
 from dense_trainer.model import build_dense_model
 from dense_trainer.report import RunningLoss, write_metrics
 from dense_trainer.stopping import stop_cluster, stop_signals
@@ -86,7 +86,11 @@ class Trainer:
     """
 
     def __init__(
-        self, cfg: Config, out_dir: Path, client: EmbeddingClient | None = None, cluster: Cluster | None = None
+        self,
+        cfg: Config,
+        out_dir: Path,
+        client: EmbeddingClient | None = None,
+        cluster: Cluster | None = None,
     ) -> None:
         self.cfg = cfg
         self.out_dir = Path(out_dir)
@@ -104,27 +108,44 @@ class Trainer:
         self.spec: FeatureSpec = cfg.feature_spec()
         # 2. embedding client (the SparseArch): shards with the fused sparse optimizer
         self.client = client or InProcessEmbeddingClient(
-            self.spec.tables, cfg.embedding.optimizer, cfg.embedding.device, cfg.train.seed,
-            cfg.embedding.init_scale or None, self.spec.feature_tables, remap_ahead=overlaps(self.device),
+            self.spec.tables,
+            cfg.embedding.optimizer,
+            cfg.embedding.device,
+            cfg.train.seed,
+            cfg.embedding.init_scale or None,
+            self.spec.feature_tables,
+            remap_ahead=overlaps(self.device),
         )
         # 3. dense model: over the tables' vectors, or the tower outputs of compressing towers
         self.towers = self.client.tower_layout
-        compressed = self.towers is not None and self.towers.compressed  # else exactly the flat model
-        self.model = build_dense_model(cfg.model, len(self.spec.dense), self.client.output_dims(),
-                                       self.towers.out_dim if compressed else cfg.embedding.dim,
-                                       append_embeddings=compressed)
+        # else exactly the flat model
+        compressed = self.towers is not None and self.towers.compressed
+        self.model = build_dense_model(
+            cfg.model,
+            len(self.spec.dense),
+            self.client.output_dims(),
+            self.towers.out_dim if compressed else cfg.embedding.dim,
+            append_embeddings=compressed,
+        )
         self.model.to(self.device)
         self.net = self.model  # what forward runs: the model, or DDP around it
         if self.trainers > 1:
             ids = [self.device.index or 0] if self.device.type == "cuda" else None
-            self.net = DistributedDataParallel(self.model, process_group=cluster.trainer_group, device_ids=ids)
+            self.net = DistributedDataParallel(
+                self.model, process_group=cluster.trainer_group, device_ids=ids
+            )
         # 4. dense optimizer
         self.optimizer = build_dense_optimizer(cfg.optim, self.model.parameters())
         self.state = TrainState()
         self._stop_signal: int | None = None
         self._peer_stopped = False
         self.live = None  # a LivePublisher while live updates run
-        self.timings = {"embedding_forward_s": 0.0, "dense_forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+        self.timings = {
+            "embedding_forward_s": 0.0,
+            "dense_forward_s": 0.0,
+            "backward_s": 0.0,
+            "optimizer_s": 0.0,
+        }
         self.step_losses: list[float] = []
         self.checkpoints = TrainerCheckpoints(self)  # when to cut; writing and finishing them
         self.resumed: dict | None = None  # the fault this run resumed from (OUT/last-fault.json)
@@ -145,8 +166,9 @@ class Trainer:
         self.timings["dense_forward_s"] += time.perf_counter() - t1
         return logits
 
-    def train_step(self, batch: Batch, global_batch: int | None = None,
-                   prefetch: SparseFeatures | None = None) -> torch.Tensor:
+    def train_step(
+        self, batch: Batch, global_batch: int | None = None, prefetch: SparseFeatures | None = None
+    ) -> torch.Tensor:
         """One optimizer step; returns the (detached) mean loss over the global batch.
 
         With several trainers, ``batch`` is this trainer's share of a global batch of
@@ -172,7 +194,8 @@ class Trainer:
             total = nnf.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
             loss = total * (self.trainers / denominator)
             report = total.detach() / rows
-            dist.all_reduce(report, group=self.cluster.trainer_group)  # on the device: NCCL for CUDA
+            # on the device: NCCL for CUDA
+            dist.all_reduce(report, group=self.cluster.trainer_group)
         self.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         loss.backward()  # also sends the embedding gradients to the fused sparse optimizer
@@ -192,8 +215,15 @@ class Trainer:
         """Exact AUC and log loss over ``files`` (``dense_trainer/evaluation.py``)."""
         return evaluate(self, files, max_rows)
 
-    def steps_of(self, files, batch_size: int, epochs: int, starts: list[Position] | None = None,
-               max_rows: int = 0, consumed: Consumed | None = None) -> Steps:
+    def steps_of(
+        self,
+        files,
+        batch_size: int,
+        epochs: int,
+        starts: list[Position] | None = None,
+        max_rows: int = 0,
+        consumed: Consumed | None = None,
+    ) -> Steps:
         """This process's shares of ``files`` as agreed steps: trainer r of T reads blocks r mod T
         (a single process with ``data.interleave = k`` reads all k shares, as k trainers would)."""
         d = self.cfg.data
@@ -205,21 +235,45 @@ class Trainer:
         starts, consumed = resume_positions(starts, parts, consumed)
         if training:
             self.state.consumed = consumed  # checkpoints keep it until the epoch ends
-        loaders = [BatchLoader(
-            files, self.spec, batch_size * (t + 1) // parts - batch_size * t // parts, num_workers=d.num_workers,
-            block_bytes=block_bytes, prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs,
-            start=starts[t], max_rows=max_rows // parts if max_rows else 0, pin_memory=self.device.type == "cuda",
-            part=t, parts=parts, consumed=consumed) for t in mine]
-        return Steps(loaders, len(self.spec.dense), len(self.spec.categorical), self._agree,
-                     min(p.epoch for p in starts))
+        loaders = [
+            BatchLoader(
+                files,
+                self.spec,
+                batch_size * (t + 1) // parts - batch_size * t // parts,
+                num_workers=d.num_workers,
+                block_bytes=block_bytes,
+                prefetch_batches=d.prefetch_batches,
+                strict=d.strict,
+                epochs=epochs,
+                start=starts[t],
+                max_rows=max_rows // parts if max_rows else 0,
+                pin_memory=self.device.type == "cuda",
+                part=t,
+                parts=parts,
+                consumed=consumed,
+            )
+            for t in mine
+        ]
+        return Steps(
+            loaders,
+            len(self.spec.dense),
+            len(self.spec.categorical),
+            self._agree,
+            min(p.epoch for p in starts),
+        )
 
     def _block_grid(self, resuming: bool) -> int:
         """The training data's block size: a resumed run keeps its checkpoint's (positions are
         block numbers and offsets on that grid)."""
         s, wanted = self.state, self.cfg.data.block_bytes
         if resuming and s.block_bytes and s.block_bytes != wanted:
-            log.warning("data.block_bytes = %d ignored until the end of this run: the checkpoint's positions are on "
-                        "a grid of %d-byte blocks", wanted, s.block_bytes)
+            log.warning(
+                "data.block_bytes = %d ignored until the end of this run: the checkpoint's "
+                "positions are on "
+                "a grid of %d-byte blocks",
+                wanted,
+                s.block_bytes,
+            )
             return s.block_bytes
         s.block_bytes = wanted
         return wanted
@@ -227,9 +281,18 @@ class Trainer:
     def loader(self, files, batch_size: int, epochs: int = 1, max_rows: int = 0) -> BatchLoader:
         """A plain loader of ``files`` with this run's data settings (one share: every row)."""
         d = self.cfg.data
-        return BatchLoader(files, self.spec, batch_size, num_workers=d.num_workers, block_bytes=d.block_bytes,
-                           prefetch_batches=d.prefetch_batches, strict=d.strict, epochs=epochs, max_rows=max_rows,
-                           pin_memory=self.device.type == "cuda")
+        return BatchLoader(
+            files,
+            self.spec,
+            batch_size,
+            num_workers=d.num_workers,
+            block_bytes=d.block_bytes,
+            prefetch_batches=d.prefetch_batches,
+            strict=d.strict,
+            epochs=epochs,
+            max_rows=max_rows,
+            pin_memory=self.device.type == "cuda",
+        )
 
     def _agree(self, vector: list[float]) -> list[float]:
         """Sum a per-step vector over the trainers (they call it together)."""
@@ -264,8 +327,13 @@ class Trainer:
             from dense_trainer.live import start_live
 
             start_live(self)
-        steps = self.steps_of(train_files, self.cfg.train.batch_size, self.cfg.train.epochs, self.state.positions,
-                            consumed=self.state.consumed)
+        steps = self.steps_of(
+            train_files,
+            self.cfg.train.batch_size,
+            self.cfg.train.epochs,
+            self.state.positions,
+            consumed=self.state.consumed,
+        )
         steps.shares[0].loader.bad_lines.restore(self.state.bad_lines)
         self._parse_base = (0, 0.0)  # loader counters already folded into the state
         try:
@@ -282,17 +350,21 @@ class Trainer:
         if self._stop_signal is not None or self._peer_stopped:
             stop_cluster(self)
             raise KeyboardInterrupt(
-                f"stopped by {signal.Signals(self._stop_signal or signal.SIGTERM).name} at step {self.state.step}; "
+                f"stopped by {signal.Signals(self._stop_signal or signal.SIGTERM).name} at step "
+                f"{self.state.step}; "
                 f"checkpoint written to {self.checkpoint_dir}, continue with --resume"
             )
         if self.state.samples_seen == 0:
-            raise DataError(f"no valid rows in the training data ({', '.join(map(str, train_files))})")
+            raise DataError(
+                f"no valid rows in the training data ({', '.join(map(str, train_files))})"
+            )
         final = evaluate_into_history(self, test_files, final=True)
         cluster_stats = stop_cluster(self)
         return write_metrics(self, final, train_files, test_files, finished, cluster_stats)
 
-    def _train_epochs(self, steps: Steps, test_files: list[Path],
-                      on_step: Callable[[int, float], None] | None) -> bool:
+    def _train_epochs(
+        self, steps: Steps, test_files: list[Path], on_step: Callable[[int, float], None] | None
+    ) -> bool:
         """Take the agreed steps; True when every epoch ran to its end. The next step is agreed
         on before this one runs, so that its ids can travel meanwhile (``dist.pipeline``)."""
         cfg, s = self.cfg.train, self.state
@@ -315,7 +387,9 @@ class Trainer:
                 # Decided before the step runs (the same on every trainer): ids of the next step
                 # must not be on their way while the servers cut a checkpoint.
                 kind = self.checkpoints.due(s.step + 1)
-                loss = self.train_step(cur.batch, cur.global_rows, None if kind else self._prefetch(cur, nxt))
+                loss = self.train_step(
+                    cur.batch, cur.global_rows, None if kind else self._prefetch(cur, nxt)
+                )
                 if self.live is not None:
                     self.live.after_step(cur.batch.sparse)
                 s.step += 1
@@ -327,7 +401,7 @@ class Trainer:
                 running.add(loss, cur.global_rows, epoch)
                 if on_step is not None:
                     on_step(s.step, float(loss))
-                if self._evaluation_due():
+                if evaluation_due(self):
                     evaluate_into_history(self, test_files, final=False)
                 if kind:  # in the background: training goes on
                     self._checkpoint_with(steps, kind, wait=False)
@@ -337,19 +411,21 @@ class Trainer:
         finally:
             running.close()
 
-    def _evaluation_due(self) -> bool:
-        every = self.cfg.train.eval_every_steps
-        return bool(every) and self.state.step % every == 0
-
     def _prefetch(self, cur: Step, nxt: Step | None) -> SparseFeatures | None:
         """The next step's ids, when they may travel during this step: pipelining is on, the
         route allows it, and nothing (an evaluation, a checkpoint, the end) comes between."""
         cfg, step = self.cfg.train, self.state.step + 1
         if self.cfg.dist.pipeline == "off" or not self.client.can_prefetch:
             return None
-        if self.live is not None and self.client.plan is None:  # one process: pushes read the maps between steps
+        # one process: pushes read the maps between steps
+        if self.live is not None and self.client.plan is None:
             return None
-        if nxt is None or nxt.stop or nxt.epoch != cur.epoch or (cfg.max_steps and step >= cfg.max_steps):
+        if (
+            nxt is None
+            or nxt.stop
+            or nxt.epoch != cur.epoch
+            or (cfg.max_steps and step >= cfg.max_steps)
+        ):
             return None
         if cfg.eval_every_steps and step % cfg.eval_every_steps == 0:
             return None
@@ -363,7 +439,8 @@ class Trainer:
             self.cfg, self.spec = cfg, cfg.feature_spec()
         InputReader(self.spec, list(train_files) + list(test_files)).check()
 
-    # -- checkpoints and stopping -------------------------------------------------------------------
+    # -- checkpoints and stopping
+    # -------------------------------------------------------------------
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -377,21 +454,27 @@ class Trainer:
         self.state = load_checkpoint(self, path)
 
     def wait_for_master(self) -> None:
-        """With embedding servers: every rank meets (long timeout) once the master's long work is done."""
+        """With embedding servers: every rank meets (long timeout) once the master's long work is
+        done."""
         if self.cluster is not None:
             dist.barrier(group=self.cluster.slow_group)
 
     def _resume(self) -> None:
         ckpt = latest_checkpoint(self.checkpoint_dir)
         if ckpt is None:
-            log.warning("--resume: no checkpoint in %s; starting from the beginning", self.checkpoint_dir)
+            log.warning(
+                "--resume: no checkpoint in %s; starting from the beginning", self.checkpoint_dir
+            )
         else:
             self.load_checkpoint(ckpt)
             if self.is_master:
-                self.resumed = fault_report(self, self.state, ckpt) or {"resumed_step": self.state.step}
+                self.resumed = fault_report(self, self.state, ckpt) or {
+                    "resumed_step": self.state.step
+                }
 
     def _checkpoint_with(self, steps: Steps, kind: str = "full", wait: bool = True) -> None:
-        """Fold the loaders' counters into the state, gather every trainer's positions, checkpoint."""
+        """Fold the loaders' counters into the state, gather every trainer's positions,
+        checkpoint."""
         s = self.state
         loader = steps.shares[0].loader
         s.bad_lines = loader.bad_lines.state()
@@ -404,7 +487,9 @@ class Trainer:
         mine = s.positions
         if self.trainers > 1:  # the checkpoint holds every trainer's positions, in rank order
             parts: list = [None] * self.trainers
-            dist.all_gather_object(parts, [p.to_dict() for p in mine], group=self.cluster.trainer_cpu_group)
+            dist.all_gather_object(
+                parts, [p.to_dict() for p in mine], group=self.cluster.trainer_cpu_group
+            )
             s.positions = [Position(**p) for part in parts for p in part]
         try:
             self.save_checkpoint(kind, wait)

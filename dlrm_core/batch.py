@@ -2,9 +2,11 @@
 
 ``SparseFeatures`` is the id batch: a jagged tensor in TBE layout. A batch of B examples with F
 sparse features is F*B bags, stored feature-major, the layout fbgemm's table-batched embedding
-(TBE) kernels take: bag ``(f, b)`` holds the rows ``values[offsets[f*B + b] : offsets[f*B + b + 1]]``
+(TBE) kernels take: bag ``(f, b)`` holds the rows ``values[offsets[f*B + b] : offsets[f*B + b +
+1]]``
 of feature f's table. ``Batch`` adds the dense features and labels, and ``Position`` says where in
-the input stream the batch ends, so that a resumed run reads exactly what an uninterrupted one would.
+the input stream the batch ends, so that a resumed run reads exactly what an uninterrupted one
+would.
 """
 
 from __future__ import annotations
@@ -77,14 +79,17 @@ class SparseFeatures:
         if bool((self.offsets[1:] - self.offsets[:-1] == 1).all()) and self.values.numel() == f * b:
             return SparseFeatures.one_hot(self.values.view(f, b)[:, start:stop])
         lengths = self.lengths()[:, start:stop]  # [F, b']
-        parts = [self.values[self.offsets[i * b + start] : self.offsets[i * b + stop]] for i in range(f)]
+        parts = [
+            self.values[self.offsets[i * b + start] : self.offsets[i * b + stop]] for i in range(f)
+        ]
         return SparseFeatures.from_lengths(torch.cat(parts), lengths)
 
     @classmethod
     def cat(cls, parts: list[SparseFeatures]) -> SparseFeatures:
         """The examples of several batches (same features) side by side, in order."""
         f = parts[0].num_features
-        if all(p.values.numel() == p.offsets.numel() - 1 for p in parts):  # one-hot: [F, B_i] blocks
+        # one-hot: [F, B_i] blocks
+        if all(p.values.numel() == p.offsets.numel() - 1 for p in parts):
             return cls.one_hot(torch.cat([p.values.view(f, p.batch_size) for p in parts], dim=1))
         values = torch.cat([p.feature_values(k)[0] for k in range(f) for p in parts])
         return cls.from_lengths(values, torch.cat([p.lengths() for p in parts], dim=1))
@@ -140,15 +145,22 @@ class Batch:
         """Several batches as one (the last one's position)."""
         if len(parts) == 1:
             return parts[0]
-        return cls(torch.cat([p.dense for p in parts]), SparseFeatures.cat([p.sparse for p in parts]),
-                   torch.cat([p.labels for p in parts]), parts[-1].position)
+        return cls(
+            torch.cat([p.dense for p in parts]),
+            SparseFeatures.cat([p.sparse for p in parts]),
+            torch.cat([p.labels for p in parts]),
+            parts[-1].position,
+        )
 
     def share(self, index: int, parts: int) -> Batch:
         """Data-parallel share ``index`` of ``parts`` (contiguous, sizes differ by at most one)."""
         b = self.batch_size
         start, stop = index * b // parts, (index + 1) * b // parts
         return Batch(
-            self.dense[start:stop], self.sparse.slice_examples(start, stop), self.labels[start:stop], self.position
+            self.dense[start:stop],
+            self.sparse.slice_examples(start, stop),
+            self.labels[start:stop],
+            self.position,
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:

@@ -28,7 +28,9 @@ M = TypeVar("M", bound=BaseModel)
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, docstrings document the fields."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+    )
 
 
 def flag(default: Any = ..., alias: str | None = None, **kwargs) -> Any:
@@ -97,7 +99,9 @@ def format_validation_error(exc: ValidationError, source: str, root: type[BaseMo
     loc = tuple(p for p in full if not (isinstance(p, str) and p in ("dense", "categorical")))
     where = ".".join(str(p) for p in loc) or "(top level)"
     if err["type"] == "extra_forbidden":
-        return f"{source}: {where}: unknown setting{_suggest(str(loc[-1]), _section_of(root, full))}"
+        return (
+            f"{source}: {where}: unknown setting{_suggest(str(loc[-1]), _section_of(root, full))}"
+        )
     got = err.get("input")
     got_txt = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
@@ -139,7 +143,9 @@ def nested(path: str, value: Any) -> dict[str, Any]:
     return out
 
 
-def load_config(cls: type[M], path: Path | str | None = None, overrides: list[dict[str, Any]] | None = None) -> M:
+def load_config(
+    cls: type[M], path: Path | str | None = None, overrides: list[dict[str, Any]] | None = None
+) -> M:
     """Defaults, then the TOML file, then each override (nested dicts), validated.
 
     Raises:
@@ -168,7 +174,8 @@ def load_config(cls: type[M], path: Path | str | None = None, overrides: list[di
         raise ConfigError(format_validation_error(exc, "command line", cls)) from None
 
 
-# -- flags -------------------------------------------------------------------------------------------
+# -- flags
+# -------------------------------------------------------------------------------------------
 
 
 def _scalar_type(annotation: Any) -> tuple[Any, list | None, bool] | None:
@@ -176,8 +183,13 @@ def _scalar_type(annotation: Any) -> tuple[Any, list | None, bool] | None:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return _scalar_type(args[0]) if len(args) == 1 else (str, None, False) if all(
-            a in (str, int) for a in args) else None
+        return (
+            _scalar_type(args[0])
+            if len(args) == 1
+            else (str, None, False)
+            if all(a in (str, int) for a in args)
+            else None
+        )
     if origin is Literal:
         choices = list(typing.get_args(annotation))
         return (type(choices[0]), choices, False)
@@ -193,7 +205,11 @@ def _walk(cls: type[BaseModel], prefix: str = ""):
     """(dotted path, field info, annotation) of every field, sections first-level-first."""
     for name, field in cls.model_fields.items():
         path = f"{prefix}{name}"
-        sub = field.annotation if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) else None
+        sub = (
+            field.annotation
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+            else None
+        )
         if sub is not None:
             yield from _walk(sub, path + ".")
         else:
@@ -212,7 +228,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> N
             continue  # lists of sections (tables, features): --set or the config file
         section = path.rsplit(".", 1)[0] if "." in path else ""
         if section not in groups:
-            groups[section] = parser.add_argument_group(f"[{section}] settings" if section else "top-level settings")
+            groups[section] = parser.add_argument_group(
+                f"[{section}] settings" if section else "top-level settings"
+            )
         group = groups[section]
         typ, choices, is_list = kind
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
@@ -220,14 +238,30 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> N
         helptext = (field.description or "").split("\n")[0].replace("%", "%%")
         long = f"--{path}"
         if typ is bool:
-            group.add_argument(long, dest=path, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+            group.add_argument(
+                long, dest=path, action=argparse.BooleanOptionalAction, default=None, help=helptext
+            )
             if alias and alias not in taken:
-                group.add_argument(alias, dest=path, action="store_const", const=not alias.startswith("--no-"),
-                                   default=None, help=f"= {long if not alias.startswith('--no-') else '--no-' + path}")
+                group.add_argument(
+                    alias,
+                    dest=path,
+                    action="store_const",
+                    const=not alias.startswith("--no-"),
+                    default=None,
+                    help=f"= {long if not alias.startswith('--no-') else '--no-' + path}",
+                )
             continue
         names = [alias, long] if alias and alias not in taken else [long]
-        group.add_argument(*names, dest=path, type=typ, choices=choices, nargs="+" if is_list else None,
-                           default=None, metavar=path.rsplit(".", 1)[-1].upper(), help=helptext)
+        group.add_argument(
+            *names,
+            dest=path,
+            type=typ,
+            choices=choices,
+            nargs="+" if is_list else None,
+            default=None,
+            metavar=path.rsplit(".", 1)[-1].upper(),
+            help=helptext,
+        )
 
 
 def flag_overrides(args: argparse.Namespace, cls: type[BaseModel]) -> list[dict[str, Any]]:

@@ -46,7 +46,9 @@ def _convert(action: argparse.Action, raw: str, name: str):
         raise ConfigError(f"{name}={raw!r}: not a valid {action.option_strings[0]}") from None
 
 
-def fill_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace, required: list[str]) -> None:
+def fill_from_env(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, required: list[str]
+) -> None:
     """Options not given on the command line come from their ``DLRM_*`` variable.
 
     Args:
@@ -74,7 +76,9 @@ def fill_from_env(parser: argparse.ArgumentParser, args: argparse.Namespace, req
             break
     for dest in required:
         if getattr(args, dest, None) in (None, []):
-            raise ConfigError(f"--{dest.replace('_', '-')} (or {ENV_PREFIX}{dest.upper()}) is required")
+            raise ConfigError(
+                f"--{dest.replace('_', '-')} (or {ENV_PREFIX}{dest.upper()}) is required"
+            )
 
 
 def wait_until(ready: Callable[[], bool], deadline: float, what: str, every_s: float = 1.0) -> None:

@@ -1,4 +1,5 @@
-"""User-facing errors. The CLI prints these as one line and exits non-zero; anything else is a bug."""
+"""User-facing errors. The CLI prints these as one line and exits non-zero; anything else is a
+bug."""
 
 
 class DlrmError(Exception):

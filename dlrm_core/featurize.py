@@ -103,13 +103,18 @@ def _bags(values: pa.Array, sep: str | None) -> tuple[pa.Array, np.ndarray, np.n
     return flat, rows, np.bincount(rows, minlength=n).astype(np.int32)
 
 
-# -- dense values -----------------------------------------------------------------------------------------
+# -- dense values
+# -----------------------------------------------------------------------------------------
 
 
 def parse_numbers(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Numbers (or number strings) -> (float64 [n] with NaN where missing, ok [n])."""
     values = combined(values)
-    if pa.types.is_boolean(values.type) or pa.types.is_integer(values.type) or pa.types.is_floating(values.type):
+    if (
+        pa.types.is_boolean(values.type)
+        or pa.types.is_integer(values.type)
+        or pa.types.is_floating(values.type)
+    ):
         x = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)
         return x, ~np.isinf(x)
     if pa.types.is_null(values.type):
@@ -121,7 +126,11 @@ def parse_numbers(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         good = pc.fill_null(pc.match_substring_regex(values, _NUMBER), True)
         cleaned = pc.if_else(good, values, pa.scalar(None, pa.string()))
-        x = pc.cast(pc.utf8_trim_whitespace(cleaned), pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64)
+        x = (
+            pc.cast(pc.utf8_trim_whitespace(cleaned), pa.float64())
+            .to_numpy(zero_copy_only=False)
+            .astype(np.float64)
+        )
         return x, good.to_numpy(zero_copy_only=False)
 
 
@@ -134,7 +143,9 @@ def transform_dense_block(x: np.ndarray, features: list[DenseFeature]) -> np.nda
     """Raw values float64 [n, I] (NaN missing) of the dense features in order -> model inputs
     float32 [n, I]; one call per kind of transform (the column and the value path share it)."""
     x = np.asarray(x, dtype=np.float64)
-    log, std, mean, scale, missing = _dense_plan(tuple((f.transform, f.mean, f.std, f.missing) for f in features))
+    log, std, mean, scale, missing = _dense_plan(
+        tuple((f.transform, f.mean, f.std, f.missing) for f in features)
+    )
     if len(log) == x.shape[1]:  # every feature log1p (Criteo): no column selection
         y = np.log1p(np.fmax(x, 0.0))  # fmax: NaN -> 0 (replaced below)
     else:
@@ -162,19 +173,24 @@ def parse_labels(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     values = combined(values)
     if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
         lowered = pc.utf8_lower(pc.utf8_trim_whitespace(values))
-        values = pc.if_else(pc.equal(lowered, "true"), "1", pc.if_else(pc.equal(lowered, "false"), "0", values))
+        values = pc.if_else(
+            pc.equal(lowered, "true"), "1", pc.if_else(pc.equal(lowered, "false"), "0", values)
+        )
     x, ok = parse_numbers(values)
     ok &= (x == 0) | (x == 1)
     return np.where(ok, x, 0).astype(np.float32), ok
 
 
-# -- a block -----------------------------------------------------------------------------------------------
+# -- a block
+# -----------------------------------------------------------------------------------------------
 
 
 class Featurizer:
     """Turns raw columns into model inputs for one feature spec (thread-safe, stateless)."""
 
-    def __init__(self, spec: FeatureSpec, with_label: bool = True, dense_max_abs: float = DENSE_MAX_ABS) -> None:
+    def __init__(
+        self, spec: FeatureSpec, with_label: bool = True, dense_max_abs: float = DENSE_MAX_ABS
+    ) -> None:
         self.spec = spec
         self.with_label = with_label
         self.dense_max_abs = dense_max_abs
@@ -182,8 +198,15 @@ class Featurizer:
         self.table_rows = [t.rows if t.dynamic is None else None for t in tables]  # None: raw ids
         self.multi_hot = any(f.separator is not None for f in spec.categorical)
 
-    def __call__(self, columns: Mapping[str, pa.Array], n: int, lines: np.ndarray, file: str,
-                 bad: list[BadLine] | None = None, multi_hot: bool | None = None) -> ParsedBlock:
+    def __call__(
+        self,
+        columns: Mapping[str, pa.Array],
+        n: int,
+        lines: np.ndarray,
+        file: str,
+        bad: list[BadLine] | None = None,
+        multi_hot: bool | None = None,
+    ) -> ParsedBlock:
         """``columns``: the label under :data:`LABEL`, each feature under its name (n rows each).
 
         ``multi_hot`` forces the bag layout (a request whose values are lists); default: when a
@@ -200,14 +223,27 @@ class Featurizer:
         for j, feat in enumerate(self.spec.dense):
             x, good = parse_numbers(columns[feat.name])
             reasons.append((~good, f"{feat.name} is not a number", feat.name))
-            reasons.append((good & (np.abs(x) > self.dense_max_abs),
-                            f"{feat.name} is out of range (at most {self.dense_max_abs:.7g} in magnitude)", feat.name))
+            reasons.append(
+                (
+                    good & (np.abs(x) > self.dense_max_abs),
+                    f"{feat.name} is out of range (at most {self.dense_max_abs:.7g} in magnitude)",
+                    feat.name,
+                )
+            )
             if feat.integer:
-                reasons.append((good & ~np.isnan(x) & (x != np.floor(x)), f"{feat.name} is not an integer", feat.name))
+                reasons.append(
+                    (
+                        good & ~np.isnan(x) & (x != np.floor(x)),
+                        f"{feat.name} is not an integer",
+                        feat.name,
+                    )
+                )
             raw[:, j] = x
         dense = transform_dense_block(raw, self.spec.dense)
         if multi_hot is None:
-            multi_hot = self.multi_hot or any(_is_list(columns[f.name]) for f in self.spec.categorical)
+            multi_hot = self.multi_hot or any(
+                _is_list(columns[f.name]) for f in self.spec.categorical
+            )
         multi = multi_hot
         ids, values, lengths = self._categorical(columns, n, multi, reasons)
         for mask, reason, name in reasons:
@@ -259,13 +295,17 @@ SMALL_BLOCK = 1024
 call: for a single-instance request, 26 calls' overhead was most of the featurising time."""
 
 
-def _joined_raw_ids(columns, feats: list[CategoricalFeature]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def _joined_raw_ids(
+    columns, feats: list[CategoricalFeature]
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per one-hot feature f, ``raw_ids`` of its column, computed for all columns of the same
     encoding and arrow type at once (``raw_ids`` is element-wise: the same ids as one by one)."""
     groups: dict[tuple, list[int]] = {}
     for f, feat in enumerate(feats):
         col = combined(columns[feat.name])
-        if feat.separator is None and (pa.types.is_string(col.type) or pa.types.is_integer(col.type)):
+        if feat.separator is None and (
+            pa.types.is_string(col.type) or pa.types.is_integer(col.type)
+        ):
             groups.setdefault((feat.encoding, col.type), []).append(f)
     out = {}
     for (encoding, _), members in groups.items():
@@ -274,7 +314,9 @@ def _joined_raw_ids(columns, feats: list[CategoricalFeature]) -> dict[int, tuple
         cols = [combined(columns[feats[f].name]) for f in members]
         raw, ok = raw_ids(pa.concat_arrays(cols), encoding)
         cuts = np.cumsum([len(c) for c in cols])[:-1]
-        out.update(zip(members, zip(np.split(raw, cuts), np.split(ok, cuts), strict=True), strict=True))
+        out.update(
+            zip(members, zip(np.split(raw, cuts), np.split(ok, cuts), strict=True), strict=True)
+        )
     return out
 
 

@@ -7,7 +7,8 @@ Same results as the column path (:class:`dlrm_core.featurize.Featurizer`) by con
 dense transform is the same function (:func:`transform_dense_block`), strings are hashed by
 :func:`hash_strings`, and hex / int values are parsed only in the spellings whose value the column
 path reads the same way. Any value outside them (a bag, a number as a string, whitespace, a sign
-on a hex value, more than 18 digits, a non-integer count, ...) makes :meth:`ValueFeaturizer.__call__`
+on a hex value, more than 18 digits, a non-integer count, ...) makes
+:meth:`ValueFeaturizer.__call__`
 return None: the caller then featurises the request through the column path, which also
 reports what is wrong with it. ``tests/test_featurize_values.py`` checks the two paths agree.
 """
@@ -46,10 +47,15 @@ class ValueFeaturizer:
         self.enabled = not any(f.separator is not None for f in spec.categorical)
         """A spec with multi-hot features always takes the column path."""
         self.encodings = [f.encoding for f in spec.categorical]
-        self.rows = [t.rows if t.dynamic is None else None for t in (spec.table_of(f) for f in range(len(spec.categorical)))]
+        self.rows = [
+            t.rows if t.dynamic is None else None
+            for t in (spec.table_of(f) for f in range(len(spec.categorical)))
+        ]
         self.integer = [f.integer for f in spec.dense]
 
-    def __call__(self, dense: list[list], cats: list[list], n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def __call__(
+        self, dense: list[list], cats: list[list], n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """Per dense feature its n values (numbers or None), per categorical feature its n
         values (str, int or None) -> (dense float32 [n, I], ids int64 [F*n] feature-major,
         offsets int64 [F*n + 1]), or None where the column path must take the request."""
@@ -61,10 +67,15 @@ class ValueFeaturizer:
         ids = self._ids(cats, n)
         if ids is None:
             return None
-        return transform_dense_block(x, self.spec.dense), ids, np.arange(ids.size + 1, dtype=np.int64)
+        return (
+            transform_dense_block(x, self.spec.dense),
+            ids,
+            np.arange(ids.size + 1, dtype=np.int64),
+        )
 
     def _numbers(self, dense: list[list], n: int) -> np.ndarray | None:
-        """-> float64 [n, I], NaN where missing; None for a value the column path reads otherwise."""
+        """-> float64 [n, I], NaN where missing; None for a value the column path reads
+        otherwise."""
         x = np.empty((n, len(dense)), dtype=np.float64)
         top = self.dense_max_abs
         for j, values in enumerate(dense):
@@ -118,5 +129,7 @@ class ValueFeaturizer:
                 if rows is not None:
                     out[k] = v % rows
                 else:  # the 64 bits as int64; RESERVED_ID read as its neighbour (dlrm_core/ids.py)
-                    out[k] = v if v < 1 << 63 else (v - (1 << 64) if v != 1 << 63 else RESERVED_ID + 1)
+                    out[k] = (
+                        v if v < 1 << 63 else (v - (1 << 64) if v != 1 << 63 else RESERVED_ID + 1)
+                    )
         return np.array(out, dtype=np.int64)

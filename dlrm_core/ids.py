@@ -20,11 +20,17 @@ for _i, _c in enumerate(b"0123456789abcdef"):
 for _i, _c in enumerate(b"ABCDEF"):
     _HEX_NIBBLE[_c] = 10 + _i
 _first, _second = _HEX_NIBBLE[np.arange(65536) & 255], _HEX_NIBBLE[np.arange(65536) >> 8]
-_HEX_PAIR = np.where((_first == 255) | (_second == 255), 0xFFFF, _first.astype(np.uint16) << 4 | _second).astype(np.uint16)
+_HEX_PAIR = np.where(
+    (_first == 255) | (_second == 255), 0xFFFF, _first.astype(np.uint16) << 4 | _second
+).astype(np.uint16)
 """Two hex digits read as one little-endian uint16 (the first digit in the low byte) -> their byte
 value; 0xFFFF when either is not a hex digit."""
 _PAIR_HIGH_BYTES = np.uint64(0xFF00FF00FF00FF00)
-_K1, _K2, _SEED = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x243F6A8885A308D3)
+_K1, _K2, _SEED = (
+    np.uint64(0x9E3779B97F4A7C15),
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(0x243F6A8885A308D3),
+)
 _F1, _F2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 _INTEGER = r"^\s*[+-]?[0-9]{1,18}\s*$"
 
@@ -42,7 +48,8 @@ def hex_to_uint64(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(0, np.uint64), np.ones(0, bool)
     lengths = pc.utf8_length(values).to_numpy(zero_copy_only=False)
     ok = lengths <= MAX_HEX_DIGITS
-    if not pc.all(pc.string_is_ascii(values)).as_py():  # padding counts characters: bytes must be chars
+    # padding counts characters: bytes must be chars
+    if not pc.all(pc.string_is_ascii(values)).as_py():
         ok &= pc.string_is_ascii(values).to_numpy(zero_copy_only=False)
     if not ok.all():
         values = pc.if_else(pa.array(ok), values, "")
@@ -50,7 +57,9 @@ def hex_to_uint64(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     # Every value is now 16 digits: n x 8 digit pairs, each looked up as one uint16.
     raw = np.frombuffer(padded.buffers()[2], dtype=np.uint8)
     start = padded.offset * MAX_HEX_DIGITS
-    pairs = _HEX_PAIR[raw[start : start + n * MAX_HEX_DIGITS].view("<u2")].reshape(n, MAX_HEX_DIGITS // 2)
+    pairs = _HEX_PAIR[raw[start : start + n * MAX_HEX_DIGITS].view("<u2")].reshape(
+        n, MAX_HEX_DIGITS // 2
+    )
     words = pairs.view("<u8")  # n x 2: a high byte set in any pair is a non-hex digit
     ok &= ((words[:, 0] | words[:, 1]) & _PAIR_HIGH_BYTES) == 0
     out = pairs.astype(np.uint8).view(">u8").reshape(n).astype(np.uint64)  # the 8 bytes, big-endian
@@ -97,11 +106,18 @@ def hash_strings(values: pa.Array) -> np.ndarray:
         first = padded.offset * width // 8
         words = data[first : first + n * width // 8].reshape(n, width // 8)
         return _finish(_mix_words(h, words, nwords))
-    offsets = np.frombuffer(values.buffers()[1], dtype=np.int32)[values.offset : values.offset + n + 1]
-    raw = np.frombuffer(values.buffers()[2], dtype=np.uint8) if values.buffers()[2] is not None else np.zeros(0, np.uint8)
+    offsets = np.frombuffer(values.buffers()[1], dtype=np.int32)[
+        values.offset : values.offset + n + 1
+    ]
+    raw = (
+        np.frombuffer(values.buffers()[2], dtype=np.uint8)
+        if values.buffers()[2] is not None
+        else np.zeros(0, np.uint8)
+    )
     buf = np.zeros(len(raw) + 16, dtype=np.uint8)
     buf[: len(raw)] = raw
-    unaligned = np.ndarray(shape=(len(buf) - 8,), dtype="<u8", buffer=buf, strides=(1,))  # word at any byte
+    # word at any byte
+    unaligned = np.ndarray(shape=(len(buf) - 8,), dtype="<u8", buffer=buf, strides=(1,))
     words = np.zeros((n, width // 8), dtype=np.uint64)
     for k in range(width // 8):
         rows = np.flatnonzero(nwords > k)
@@ -117,11 +133,14 @@ def _ints(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Decimal integer strings -> (int64 [n], ok [n]); null/empty is 0 and ok."""
     values = combined(values)
     try:
-        return pc.fill_null(pc.cast(values, pa.int64()), 0).to_numpy(zero_copy_only=False), np.ones(len(values), bool)
+        return pc.fill_null(pc.cast(values, pa.int64()), 0).to_numpy(zero_copy_only=False), np.ones(
+            len(values), bool
+        )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         good = pc.or_kleene(pc.match_substring_regex(values, _INTEGER), pc.equal(values, ""))
         good = pc.fill_null(good, True)
-        trimmed = pc.replace_substring_regex(pc.utf8_trim_whitespace(values), r"^\+", "")  # arrow reads no "+"
+        # arrow reads no "+"
+        trimmed = pc.replace_substring_regex(pc.utf8_trim_whitespace(values), r"^\+", "")
         cleaned = pc.if_else(good, trimmed, pa.scalar(None, pa.string()))
         cleaned = pc.if_else(pc.equal(cleaned, ""), pa.scalar(None, pa.string()), cleaned)
         out = pc.fill_null(pc.cast(cleaned, pa.int64()), 0).to_numpy(zero_copy_only=False)
@@ -157,7 +176,8 @@ def raw_ids(values: pa.Array, encoding: str) -> tuple[np.ndarray, np.ndarray]:
 
 RESERVED_ID = -(1 << 63)
 """The one 64-bit key no dynamic table holds: the id maps' and published owner maps' "no id" mark
-(``NO_OWNER``). A raw id of these 64 bits (2^63 unsigned) is read as its neighbour ``RESERVED_ID + 1``
+(``NO_OWNER``). A raw id of these 64 bits (2^63 unsigned) is read as its neighbour ``RESERVED_ID +
+1``
 by every featurizing path, so the two share a row (the only two ids that ever do)."""
 
 

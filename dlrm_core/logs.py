@@ -50,7 +50,9 @@ class TextFormatter(logging.Formatter):
     """``time LEVEL [rank N] logger: [request id] message``."""
 
     def __init__(self, prefix: str = "") -> None:
-        super().__init__(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s", datefmt="%H:%M:%S")
+        super().__init__(
+            f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s", datefmt="%H:%M:%S"
+        )
         self._stamp = _SecondText(self.converter)
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 - logging's name
@@ -117,8 +119,13 @@ class BufferedStreamHandler(logging.StreamHandler):
     line. A crash loses at most ``interval_s`` of lines.
     """
 
-    def __init__(self, stream=None, capacity: int = 256, interval_s: float = 0.2,
-                 flush_level: int = logging.WARNING) -> None:
+    def __init__(
+        self,
+        stream=None,
+        capacity: int = 256,
+        interval_s: float = 0.2,
+        flush_level: int = logging.WARNING,
+    ) -> None:
         super().__init__(stream)
         self.capacity, self.interval_s, self.flush_level = capacity, interval_s, flush_level
         self._lines: list[str] = []
@@ -140,7 +147,11 @@ class BufferedStreamHandler(logging.StreamHandler):
             self._due = now + self.interval_s
             self._start_writer()
         self._lines.append(line)
-        if len(self._lines) >= self.capacity or now >= self._due or record.levelno >= self.flush_level:
+        if (
+            len(self._lines) >= self.capacity
+            or now >= self._due
+            or record.levelno >= self.flush_level
+        ):
             self._write()
 
     def _write(self) -> None:
@@ -150,7 +161,8 @@ class BufferedStreamHandler(logging.StreamHandler):
             try:
                 self.stream.write(text)
                 self.stream.flush()
-            except ValueError:  # a closed stream (at exit: logging.shutdown ignores it too): dropped
+            # a closed stream (at exit: logging.shutdown ignores it too): dropped
+            except ValueError:
                 pass
             except Exception:  # noqa: BLE001 - a full or broken stream: reported as logging does, the lines dropped
                 self.handleError(None)
@@ -178,8 +190,9 @@ class BufferedStreamHandler(logging.StreamHandler):
         super().close()
 
 
-def logging_config(verbose: bool = False, quiet: bool = False, json_lines: bool = False,
-                   level: str | None = None) -> dict:
+def logging_config(
+    verbose: bool = False, quiet: bool = False, json_lines: bool = False, level: str | None = None
+) -> dict:
     """A ``logging.config.dictConfig`` dict: our packages at INFO (DEBUG with verbose, WARNING
     when quiet; ``level`` when given, e.g. ``dlrm serve --log-level``, for every one of them, the
     access log and uvicorn's loggers alike), third-party libraries at WARNING; uvicorn takes it as
@@ -195,24 +208,42 @@ def logging_config(verbose: bool = False, quiet: bool = False, json_lines: bool 
         "disable_existing_loggers": False,
         "formatters": {"dlrm": formatter},
         "filters": {"request_id": {"()": RequestIdFilter}, "not_access": {"()": NotAccess}},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "dlrm",
-                                "filters": ["not_access", "request_id"], "stream": "ext://sys.stderr"},
-                     # the access log (a line a request) in batches: BufferedStreamHandler
-                     "access": {"()": BufferedStreamHandler, "formatter": "dlrm", "filters": ["request_id"],
-                                "stream": "ext://sys.stderr"}},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "dlrm",
+                "filters": ["not_access", "request_id"],
+                "stream": "ext://sys.stderr",
+            },
+            # the access log (a line a request) in batches: BufferedStreamHandler
+            "access": {
+                "()": BufferedStreamHandler,
+                "formatter": "dlrm",
+                "filters": ["request_id"],
+                "stream": "ext://sys.stderr",
+            },
+        },
         "root": {"level": "DEBUG" if verbose else "WARNING", "handlers": ["stderr"]},
         "loggers": {
             **{name: {"level": level} for name in OUR_LOGGERS},
-            "api.access": {"level": level, "handlers": ["access"]},  # (the root's stderr handler drops them)
+            # (the root's stderr handler drops them)
+            "api.access": {"level": level, "handlers": ["access"]},
             # uvicorn's own loggers go through the same handler (no handlers of their own).
-            **{name: {"level": max(uvicorn_level, "INFO", key=logging.getLevelName), "handlers": [],
-                      "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
+            **{
+                name: {
+                    "level": max(uvicorn_level, "INFO", key=logging.getLevelName),
+                    "handlers": [],
+                    "propagate": True,
+                }
+                for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+            },
         },
     }
 
 
-def setup_logging(verbose: bool = False, quiet: bool = False, json_lines: bool = False,
-                  level: str | None = None) -> None:
+def setup_logging(
+    verbose: bool = False, quiet: bool = False, json_lines: bool = False, level: str | None = None
+) -> None:
     """Our packages log at INFO (DEBUG with -v, WARNING when quiet: the non-master ranks of a
     distributed job; ``level`` when given); third-party libraries only warnings (fbgemm logs every
     TBE's full argument list at INFO on the root logger). Ranks prefix their lines with

@@ -132,7 +132,8 @@ class TableSpec(BaseModel):
 
     @property
     def shared_row_count(self) -> int:
-        """S of a dynamic table: rows 0..S-1 are shared by ids without a row of their own (0: hashed)."""
+        """S of a dynamic table: rows 0..S-1 are shared by ids without a row of their own (0:
+        hashed)."""
         return 0 if self.dynamic is None else shared_row_count(self.rows, self.dynamic)
 
     @property
@@ -214,7 +215,8 @@ class FeatureSpec(BaseModel):
         return len(self.tables) != len(self.categorical)
 
 
-# -- the Criteo layout -------------------------------------------------------------------------------
+# -- the Criteo layout
+# -------------------------------------------------------------------------------
 
 CRITEO_DENSE = [f"I{i + 1}" for i in range(13)]
 CRITEO_SPARSE = [f"C{i + 1}" for i in range(26)]
@@ -225,25 +227,42 @@ CRITEO_COLUMNS = ["label", *CRITEO_DENSE, *CRITEO_SPARSE]
 def criteo_features(separator: str | None = None) -> list[DenseFeature | CategoricalFeature]:
     """The Criteo Kaggle / Terabyte schema: I1..I13 as log1p of integer counts, C1..C26 as hex."""
     dense = [DenseFeature(kind="dense", name=n, integer=True) for n in CRITEO_DENSE]
-    cats = [CategoricalFeature(kind="categorical", name=n, encoding="hex", separator=separator) for n in CRITEO_SPARSE]
+    cats = [
+        CategoricalFeature(kind="categorical", name=n, encoding="hex", separator=separator)
+        for n in CRITEO_SPARSE
+    ]
     return [*dense, *cats]
 
 
-def criteo_spec(rows: list[int], dims: list[int], pooling: str = "sum", separator: str | None = None) -> FeatureSpec:
+def criteo_spec(
+    rows: list[int], dims: list[int], pooling: str = "sum", separator: str | None = None
+) -> FeatureSpec:
     """The Criteo schema with the given table rows and dims (26 each)."""
     if len(rows) != 26 or len(dims) != 26:
         raise ValueError("the Criteo schema has 26 sparse features")
     feats = criteo_features(separator)
-    tables = [TableSpec(name=n, rows=r, dim=d, pooling=pooling) for n, r, d in zip(CRITEO_SPARSE, rows, dims, strict=True)]
+    tables = [
+        TableSpec(name=n, rows=r, dim=d, pooling=pooling)
+        for n, r, d in zip(CRITEO_SPARSE, rows, dims, strict=True)
+    ]
     return FeatureSpec(
-        format="criteo", label="label", columns=CRITEO_COLUMNS, header=False, delimiter="\t",
+        format="criteo",
+        label="label",
+        columns=CRITEO_COLUMNS,
+        header=False,
+        delimiter="\t",
         dense=[f for f in feats if isinstance(f, DenseFeature)],
-        categorical=[f.model_copy(update={"table": f.name}) for f in feats if isinstance(f, CategoricalFeature)],
+        categorical=[
+            f.model_copy(update={"table": f.name})
+            for f in feats
+            if isinstance(f, CategoricalFeature)
+        ],
         tables=tables,
     )
 
 
-# -- resolving a declared schema -------------------------------------------------------------------------
+# -- resolving a declared schema
+# -------------------------------------------------------------------------
 
 _ID_SETTINGS = ("admit_after", "evict", "ttl_steps", "shared_rows", "start_from_shared")
 
@@ -257,7 +276,12 @@ def _dynamic_ids(defaults: dict, override: dict) -> DynamicIds | None:
     return DynamicIds(**{k: v for k, v in settings.items() if v is not None})
 
 
-FORMAT_DEFAULTS = {"criteo": (False, "\t"), "csv": (True, ","), "tsv": (True, "\t"), "parquet": (False, "\t")}
+FORMAT_DEFAULTS = {
+    "criteo": (False, "\t"),
+    "csv": (True, ","),
+    "tsv": (True, "\t"),
+    "parquet": (False, "\t"),
+}
 """(header, delimiter) of each format unless set."""
 
 
@@ -294,34 +318,58 @@ def build_spec(
     owner: dict[str, str] = {}
     for f in cats:
         name = f.table or f.name
-        mine = {k: v for k, v in (("rows", f.rows), ("dim", f.dim), ("pooling", f.pooling)) if v is not None}
+        mine = {
+            k: v
+            for k, v in (("rows", f.rows), ("dim", f.dim), ("pooling", f.pooling))
+            if v is not None
+        }
         if name in tables:
             for key, value in mine.items():
                 if tables[name].get(key, value) != value:
-                    raise ValueError(f"features {owner[name]!r} and {f.name!r} share table {name!r} but set "
-                                     f"{key} {tables[name][key]!r} and {value!r}")
+                    raise ValueError(
+                        f"features {owner[name]!r} and {f.name!r} share table {name!r} but set "
+                        f"{key} {tables[name][key]!r} and {value!r}"
+                    )
             tables[name].update(mine)
         else:
             tables[name], owner[name] = mine, f.name
     unknown = sorted(set(overrides) - set(tables))
     if unknown:
-        raise ValueError(f"embedding.tables: unknown table {unknown[0]!r} (tables are {', '.join(list(tables)[:8])}"
-                         f"{' ...' if len(tables) > 8 else ''})")
+        raise ValueError(
+            f"embedding.tables: unknown table {unknown[0]!r} (tables are "
+            f"{', '.join(list(tables)[:8])}"
+            f"{' ...' if len(tables) > 8 else ''})"
+        )
     specs = []
     for name, t in tables.items():
         o = overrides.get(name, {})
         rows = o.get("rows") or t.get("rows")
         rows = min(rows, defaults["hash_size"]) if rows else defaults["hash_size"]
         dim = force_dim or o.get("dim") or t.get("dim") or defaults["dim"]
-        specs.append(TableSpec(name=name, rows=rows, dim=dim, pooling=o.get("pooling") or t.get("pooling") or defaults["pooling"],
-                               dynamic=_dynamic_ids(defaults, o)))
+        specs.append(
+            TableSpec(
+                name=name,
+                rows=rows,
+                dim=dim,
+                pooling=o.get("pooling") or t.get("pooling") or defaults["pooling"],
+                dynamic=_dynamic_ids(defaults, o),
+            )
+        )
     if format == "criteo" and columns is None and label is None:
         columns, label = CRITEO_COLUMNS, "label"
     if label is None:
-        raise ValueError(f"label: a {format} input needs its label column (label = \"click\", or a column number)")
+        raise ValueError(
+            f'label: a {format} input needs its label column (label = "click", or a column number)'
+        )
     head, delim = FORMAT_DEFAULTS[format]
     return FeatureSpec(
-        format=format, label=label, ignore=list(ignore or []), columns=columns,
-        header=head if header is None else header, delimiter=delimiter or delim, dense=dense,
-        categorical=[f.model_copy(update={"table": f.table or f.name}) for f in cats], tables=specs,
+        format=format,
+        label=label,
+        ignore=list(ignore or []),
+        columns=columns,
+        header=head if header is None else header,
+        delimiter=delimiter or delim,
+        dense=dense,
+        categorical=[f.model_copy(update={"table": f.table or f.name}) for f in cats],
+        tables=specs,
     )

@@ -1,5 +1,6 @@
 """Schema inference (``dlrm data schema``): take a sample of the input (``schema_sample``),
-decide what each column is and why, and write the config that trains on it. The rules, in order (flags override them): always empty ->
+decide what each column is and why, and write the config that trains on it. The rules, in order
+(flags override them): always empty ->
 ignored; multi-hot (``|``, ``;``, ``,`` or a space in >= 10% of the cells, tokens repeating; Parquet
 lists) -> categorical; unique per row -> ignored, an id; decimals -> dense (log1p when non-negative
 and skewed, else standardize); integers -> dense log1p when they look like counts, else categorical;
@@ -36,8 +37,6 @@ Guess = tuple[Kind, str, str | None]  # (kind, why, dense transform)
 INTEGER, LEADING_ZERO = r"^\s*[+-]?[0-9]+\s*$", r"^\s*[+-]?0[0-9]"
 
 
-
-
 @dataclass
 class Profile:
     """What the sample shows of one column."""
@@ -62,9 +61,13 @@ def _storage(t: pa.DataType) -> str:
         return _storage(t.value_type)
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return "list" if _storage(t.value_type) in ("text", "integer") else "other"
-    tests = {"null": pa.types.is_null, "bool": pa.types.is_boolean, "integer": pa.types.is_integer,
-             "float": lambda t: pa.types.is_floating(t) or pa.types.is_decimal(t),
-             "text": lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)}
+    tests = {
+        "null": pa.types.is_null,
+        "bool": pa.types.is_boolean,
+        "integer": pa.types.is_integer,
+        "float": lambda t: pa.types.is_floating(t) or pa.types.is_decimal(t),
+        "text": lambda t: pa.types.is_string(t) or pa.types.is_large_string(t),
+    }
     return next((name for name, test in tests.items() if test(t)), "other")
 
 
@@ -95,19 +98,35 @@ def profile(column: pa.ChunkedArray, delimiter: str) -> Profile:
     good = pc.match_substring_regex(values, NUMBER)
     if not pc.all(good).as_py():
         p.example = values.filter(pc.invert(good))[0].as_py()
-        # multi-hot: a separator in >= 10% of the cells, tokens repeating, not all of one arity (a date and a time)
-        shares = {sep: pc.sum(pc.match_substring(values, sep)).as_py() / len(values) for sep in SEPARATORS if sep != delimiter}
+        # multi-hot: a separator in >= 10% of the cells, tokens repeating, not all of one arity (a
+        # date and a time)
+        shares = {
+            sep: pc.sum(pc.match_substring(values, sep)).as_py() / len(values)
+            for sep in SEPARATORS
+            if sep != delimiter
+        }
         sep = max(shares, key=lambda s: shares[s])
         bags = pc.split_pattern(values, sep)
-        tokens, sizes = _non_empty(pc.list_flatten(bags)), pc.min_max(pc.list_value_length(bags)).as_py()
+        tokens, sizes = (
+            _non_empty(pc.list_flatten(bags)),
+            pc.min_max(pc.list_value_length(bags)).as_py(),
+        )
         distinct = pc.count_distinct(tokens).as_py()
-        if shares[sep] >= MULTI_HOT_SHARE and 2 * distinct <= len(tokens) and (shares[sep] < 1 or sizes["min"] != sizes["max"]):
+        if (
+            shares[sep] >= MULTI_HOT_SHARE
+            and 2 * distinct <= len(tokens)
+            and (shares[sep] < 1 or sizes["min"] != sizes["max"])
+        ):
             p.separator, p.bag, p.values, p.distinct = sep, True, len(tokens), distinct
         return p
-    p.numbers = pc.cast(pc.utf8_trim_whitespace(values), pa.float64()).to_numpy(zero_copy_only=False)
+    p.numbers = pc.cast(pc.utf8_trim_whitespace(values), pa.float64()).to_numpy(
+        zero_copy_only=False
+    )
     p.integral = bool(pc.all(pc.match_substring_regex(values, INTEGER)).as_py())
     p.whole = p.integral or _whole(p.numbers)
-    p.leading_zeros = p.integral and bool(pc.any(pc.match_substring_regex(values, LEADING_ZERO)).as_py())
+    p.leading_zeros = p.integral and bool(
+        pc.any(pc.match_substring_regex(values, LEADING_ZERO)).as_py()
+    )
     return p
 
 
@@ -115,14 +134,20 @@ def _whole(x: np.ndarray) -> bool:
     """Whether every value is a whole number (exactly representable): ``126.0`` counts as an
     integer whether a file stores it as a float (Parquet) or as text (``126`` or ``126.0``), so
     that CSV and Parquet copies of one table get one schema."""
-    return bool(len(x)) and bool(np.isfinite(x).all()) and float(np.abs(x).max()) < 2.0**53 \
+    return (
+        bool(len(x))
+        and bool(np.isfinite(x).all())
+        and float(np.abs(x).max()) < 2.0**53
         and bool((x == np.floor(x)).all())
+    )
 
 
 def looks_like_counts(x: np.ndarray, distinct: int) -> bool:
     """Integers that count something: 0 or 1 among them, small negatives at most; with many distinct
-    values, skewed (median 10x below the maximum), unlike ids spread evenly over a range; with few, the
-    median in the lowest quarter, 0..10 mostly there, frequencies falling after one mode (Criteo's I10),
+    values, skewed (median 10x below the maximum), unlike ids spread evenly over a range; with few,
+    the
+    median in the lowest quarter, 0..10 mostly there, frequencies falling after one mode (Criteo's
+    I10),
     unlike codes (Avazu's C18: 0..3 of frequencies 70, 0.2, 12, 19%) or an hour of the day."""
     lo, hi = float(x.min()), float(x.max())
     if lo < -3 or distinct < COUNT_MIN_DISTINCT or not ((x == 0) | (x == 1)).any():
@@ -131,9 +156,14 @@ def looks_like_counts(x: np.ndarray, distinct: int) -> bool:
         return distinct > FEW_DISTINCT and (np.median(x) + 1) * 10 <= hi + 1
     base = max(lo, 0.0)
     counts = np.bincount((x[(x >= base) & (x <= base + 20)] - base).astype(np.int64))
-    mode, tol = int(np.argmax(counts)), 0.01 * len(x)  # rising to one mode, falling after it, within noise:
-    unimodal = all((side[1:] <= 2 * np.minimum.accumulate(side)[:-1] + tol).all()  # no count > twice the lowest
-                   for side in (counts[mode:], counts[mode::-1]))  # between it and the mode, plus 1% of the rows
+    # rising to one mode, falling after it, within noise:
+    mode, tol = int(np.argmax(counts)), 0.01 * len(x)
+    # no count > twice the lowest
+    unimodal = all(
+        (side[1:] <= 2 * np.minimum.accumulate(side)[:-1] + tol).all()
+        # between it and the mode, plus 1% of the rows
+        for side in (counts[mode:], counts[mode::-1])
+    )
     return (counts[: int(min(hi - base, 10)) + 1] > 0).mean() >= 0.8 and unimodal
 
 
@@ -141,8 +171,12 @@ def _transform(p: Profile) -> str:
     """log1p for counts and skewed non-negative numbers, else standardize."""
     x, std = p.numbers, p.numbers.std()
     skewness = float(np.mean(((x - x.mean()) / std) ** 3)) if std > 0 else 0.0
-    return "log1p" if (p.integral and looks_like_counts(x, p.distinct)) or (x.min() >= 0 and skewness > SKEWNESS) \
+    return (
+        "log1p"
+        if (p.integral and looks_like_counts(x, p.distinct))
+        or (x.min() >= 0 and skewness > SKEWNESS)
         else "standardize"
+    )
 
 
 def guess(p: Profile, rows: int) -> Guess:
@@ -156,12 +190,22 @@ def guess(p: Profile, rows: int) -> Guess:
         return "categorical", f"multi-hot: {how}, {p.distinct:,} distinct tokens", None
     if p.storage == "bool":
         return "dense", "true/false", "none"
-    if (p.numbers is None or p.whole) and rows >= ID_MIN_ROWS and p.distinct >= ID_SHARE * p.non_empty:
-        return "ignored", f"unique per row ({p.distinct:,} distinct of {p.non_empty:,}): an id", None
+    if (
+        (p.numbers is None or p.whole)
+        and rows >= ID_MIN_ROWS
+        and p.distinct >= ID_SHARE * p.non_empty
+    ):
+        return (
+            "ignored",
+            f"unique per row ({p.distinct:,} distinct of {p.non_empty:,}): an id",
+            None,
+        )
     if p.numbers is None:
         return "categorical", f"text, {p.distinct:,} distinct values", None
     x, lo, hi = p.numbers, float(p.numbers.min()), float(p.numbers.max())
-    span = "..".join(str(int(v)) if v.is_integer() and abs(v) < 1e18 else f"{v:g}" for v in (lo, hi))
+    span = "..".join(
+        str(int(v)) if v.is_integer() and abs(v) < 1e18 else f"{v:g}" for v in (lo, hi)
+    )
     if not p.integral:
         transform = _transform(p)
         return "dense", f"decimals {span}{', skewed' if transform == 'log1p' else ''}", transform
@@ -172,7 +216,11 @@ def guess(p: Profile, rows: int) -> Guess:
             return "categorical", f"integers in a narrow band far from 0 ({span}): codes", None
         return "categorical", f"integers {span}, never 0 or 1: codes", None
     if looks_like_counts(x, p.distinct):
-        return "dense", f"counts {span}{', skewed' if p.distinct > FEW_DISTINCT else ', falling frequencies'}", "log1p"
+        return (
+            "dense",
+            f"counts {span}{', skewed' if p.distinct > FEW_DISTINCT else ', falling frequencies'}",
+            "log1p",
+        )
     if p.distinct <= FEW_DISTINCT:
         return "categorical", f"{p.distinct} distinct integers ({span})", None
     return "categorical", f"{p.distinct:,} integers {span}, evenly spread: ids", None
@@ -182,7 +230,9 @@ def _forced(p: Profile, flag: str, where: str) -> Guess:
     """The guess for a column named by --categorical or --dense, or an error when it cannot be."""
     if flag == "--categorical":
         if p.storage in ("float", "bool", "other"):
-            raise DataError(f"{where} is {p.type}, which cannot be categorical (integers, strings or lists can)")
+            raise DataError(
+                f"{where} is {p.type}, which cannot be categorical (integers, strings or lists can)"
+            )
         return "categorical", "forced by --categorical", None
     if p.bag or p.storage in ("list", "other") or p.example is not None:
         shown = f"e.g. {p.example!r}" if p.example is not None else p.type
@@ -191,7 +241,8 @@ def _forced(p: Profile, flag: str, where: str) -> Guess:
 
 
 def table_rows(distinct: int, values: int, cap: int) -> int:
-    """Rows for ``distinct`` values among ``values`` seen: about 2x distinct (at least one more), rounded
+    """Rows for ``distinct`` values among ``values`` seen: about 2x distinct (at least one more),
+    rounded
     up to 1, 2 or 5 x 10^k, at most ``cap``; ``cap`` when every value seen was new."""
     if values > 1 and distinct >= values:
         return cap
@@ -212,21 +263,36 @@ class Decision:
 
 
 def _decide(sample: Sample, pos: int, p: Profile, guessed: Guess, max_rows: int) -> Decision:
-    """The decision on column ``pos``, with its feature (a categorical's table sized from the profile)."""
+    """The decision on column ``pos``, with its feature (a categorical's table sized from the
+    profile)."""
     (kind, why, transform), column = guessed, sample.names[pos]
     name, ref = sample.feature_name(pos), sample.column_ref(pos)
     at = None if ref == name else ref
     if kind != "categorical":
-        feat = DenseFeature(kind="dense", name=name, column=at, transform=transform) if kind == "dense" else None
+        feat = (
+            DenseFeature(kind="dense", name=name, column=at, transform=transform)
+            if kind == "dense"
+            else None
+        )
         return Decision(pos, column, kind, why, transform or "", feat)
     rows = table_rows(p.distinct, p.values, max_rows)
-    feat = CategoricalFeature(kind="categorical", name=name, column=at, encoding="string", rows=rows, separator=p.separator)
+    feat = CategoricalFeature(
+        kind="categorical",
+        name=name,
+        column=at,
+        encoding="string",
+        rows=rows,
+        separator=p.separator,
+    )
     bag = f", separator {p.separator!r}" if p.separator else ", lists" if p.bag else ""
     return Decision(pos, column, kind, why, f"string, {rows:,} rows{bag}", feat)
 
 
-def _roles(sample: Sample, label: str, flags: dict[str, Sequence[str]]) -> tuple[int, dict[int, str]]:
-    """(position of the label, the flag naming each forced column); an unknown name is an error (did you mean)."""
+def _roles(
+    sample: Sample, label: str, flags: dict[str, Sequence[str]]
+) -> tuple[int, dict[int, str]]:
+    """(position of the label, the flag naming each forced column); an unknown name is an error (did
+    you mean)."""
     names = sample.names
 
     def resolve(ref: str, flag: str) -> int:
@@ -236,6 +302,7 @@ def _roles(sample: Sample, label: str, flags: dict[str, Sequence[str]]) -> tuple
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
         raise DataError(f"{sample.files[0]}: no column {ref!r}{hint}; {flag} takes one of: {shown}")
+
     label_pos = resolve(str(label), "--label")
     forced: dict[int, str] = {}
     for flag, refs in flags.items():
@@ -249,7 +316,8 @@ def _roles(sample: Sample, label: str, flags: dict[str, Sequence[str]]) -> tuple
 
 
 def check_label(sample: Sample, pos: int) -> float:
-    """The share of 1s in the label column; a value not 0/1 (or true/false) is an error naming file, line, value."""
+    """The share of 1s in the label column; a value not 0/1 (or true/false) is an error naming file,
+    line, value."""
     column, name = sample.table.column(pos), sample.names[pos]
     if _storage(column.type) not in ("text", "integer", "float", "bool"):
         raise DataError(f"{sample.files[0]}: the label column {name!r} is {column.type}, not 0/1")
@@ -257,23 +325,35 @@ def check_label(sample: Sample, pos: int) -> float:
     if not ok.all():
         row = int(np.flatnonzero(~ok)[0])
         shown = "empty" if column[row].as_py() in (None, "") else repr(column[row].as_py())
-        raise DataError(f"{sample.where(row)}: the label {name!r} is {shown}, not 0 or 1 (or true/false)")
+        raise DataError(
+            f"{sample.where(row)}: the label {name!r} is {shown}, not 0 or 1 (or true/false)"
+        )
     return float(labels.mean())
 
 
-def infer_schema(files: Sequence[Path], label: str, ignore: Sequence[str] = (), categorical: Sequence[str] = (),
-                 dense: Sequence[str] = (), sample_rows: int = SAMPLE_ROWS, format: str = "auto",
-                 max_rows: int = MAX_ROWS) -> InferredSchema:
+def infer_schema(
+    files: Sequence[Path],
+    label: str,
+    ignore: Sequence[str] = (),
+    categorical: Sequence[str] = (),
+    dense: Sequence[str] = (),
+    sample_rows: int = SAMPLE_ROWS,
+    format: str = "auto",
+    max_rows: int = MAX_ROWS,
+) -> InferredSchema:
     """Decide every column of ``files`` from a sample of their first ``sample_rows`` rows.
 
     Raises:
-        DataError: an unreadable file, an unknown column, a label not 0/1, a forced kind that does not fit.
+        DataError: an unreadable file, an unknown column, a label not 0/1, a forced kind that does
+        not fit.
         ConfigError: a column given to two flags, or limits below 1.
     """
     if sample_rows < 1 or max_rows < 1:
         raise ConfigError("--sample-rows and --max-rows must be at least 1")
     sample = read_sample(files, format, sample_rows)
-    label_pos, forced = _roles(sample, label, {"--ignore": ignore, "--categorical": categorical, "--dense": dense})
+    label_pos, forced = _roles(
+        sample, label, {"--ignore": ignore, "--categorical": categorical, "--dense": dense}
+    )
     share = check_label(sample, label_pos)
     decisions = []
     for pos, name in enumerate(sample.names):
@@ -283,11 +363,17 @@ def infer_schema(files: Sequence[Path], label: str, ignore: Sequence[str] = (), 
             decisions.append(Decision(pos, name, "ignored", "forced by --ignore"))
         else:
             p = profile(sample.table.column(pos), sample.delimiter)
-            guessed = (_forced(p, forced[pos], f"{sample.files[0]}: column {name!r}") if pos in forced
-                       else guess(p, sample.table.num_rows))
+            guessed = (
+                _forced(p, forced[pos], f"{sample.files[0]}: column {name!r}")
+                if pos in forced
+                else guess(p, sample.table.num_rows)
+            )
             decisions.append(_decide(sample, pos, p, guessed, max_rows))
     if not any(d.feature for d in decisions):
-        raise DataError(f"{sample.files[0]}: no column looks like a feature; name some with --categorical or --dense")
+        raise DataError(
+            f"{sample.files[0]}: no column looks like a feature; name some with --categorical or "
+            "--dense"
+        )
     return InferredSchema(sample, label_pos, decisions)
 
 
@@ -308,26 +394,47 @@ class InferredSchema:
         if s.format != "parquet" and s.header != FORMAT_DEFAULTS[s.format][0]:
             doc["header"] = s.header
         keys = ("kind", "name", "column", "transform", "encoding", "rows", "separator")
-        doc["features"] = [{k: v for k, v in d.feature.model_dump().items() if k in keys and v is not None}
-                           for d in self.decisions if d.feature is not None]
+        doc["features"] = [
+            {k: v for k, v in d.feature.model_dump().items() if k in keys and v is not None}
+            for d in self.decisions
+            if d.feature is not None
+        ]
         return doc
 
     def to_toml(self, command: str) -> str:
-        """The config file: how it was made, the top level, a ``[[features]]`` table per feature (its reason above)."""
+        """The config file: how it was made, the top level, a ``[[features]]`` table per feature
+        (its reason above)."""
         features = (doc := self.config()).pop("features")
-        head = [f"# Written by `{command}`", f"# from {self.sample.describe()}.",
-                *[f"# ignored {d.column!r}: {d.why}" for d in self.decisions if d.kind == "ignored"],
-                "# Check the kinds and table rows, then: dlrm train --config THIS_FILE --train ... --test ... --out DIR"]
+        head = [
+            f"# Written by `{command}`",
+            f"# from {self.sample.describe()}.",
+            *[f"# ignored {d.column!r}: {d.why}" for d in self.decisions if d.kind == "ignored"],
+            "# Check the kinds and table rows, then: dlrm train --config THIS_FILE --train ... "
+            "--test ... --out DIR",
+        ]
         reasons = [d.why for d in self.decisions if d.feature is not None]
-        return "\n".join(["\n".join(head) + "\n", tomli_w.dumps(doc)] + [
-            f"# {why}\n[[features]]\n{tomli_w.dumps(f)}" for why, f in zip(reasons, features, strict=True)])
+        return "\n".join(
+            ["\n".join(head) + "\n", tomli_w.dumps(doc)]
+            + [
+                f"# {why}\n[[features]]\n{tomli_w.dumps(f)}"
+                for why, f in zip(reasons, features, strict=True)
+            ]
+        )
 
     def markdown(self) -> str:
         """A table of the decisions: column, kind, details, why."""
         kinds = [d.kind for d in self.decisions]
         summary = ", ".join(f"{kinds.count(k)} {k}" for k in ("categorical", "dense", "ignored"))
-        lines = [f"Schema of {self.sample.describe()}: {summary}.", "",
-                 "| column | kind | details | why |", "| --- | --- | --- | --- |"]
+        lines = [
+            f"Schema of {self.sample.describe()}: {summary}.",
+            "",
+            "| column | kind | details | why |",
+            "| --- | --- | --- | --- |",
+        ]
         for d in self.decisions:  # a "|" in a cell (a separator) is escaped
-            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in (d.column, d.kind, d.details, d.why)) + " |")
+            lines.append(
+                "| "
+                + " | ".join(c.replace("|", "\\|") for c in (d.column, d.kind, d.details, d.why))
+                + " |"
+            )
         return "\n".join(lines)

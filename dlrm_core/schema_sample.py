@@ -27,7 +27,8 @@ NUMBER = r"^\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\s*$"
 
 @dataclass
 class Sample:
-    """The rows read, one column per input column (``c0``, ``c1``, ...): text as strings (null when empty)."""
+    """The rows read, one column per input column (``c0``, ``c1``, ...): text as strings (null when
+    empty)."""
 
     files: list[Path]
     format: FormatName
@@ -58,17 +59,31 @@ class Sample:
         if self.format == "parquet":
             return f"{self.files[i]}: row {row + 1}"
         ncols, quoted = len(self.names), self.format != "criteo"
-        with open_stream(self.files[i]) as f:  # the lines pyarrow took as rows: not empty, malformed or the header
-            lines = (n for n, line in enumerate(f, 1) if (n > 1 or not self.headers[i]) and line.strip()
-                     and len(_split(line, self.delimiter, quoted)) == ncols)
+        # the lines pyarrow took as rows: not empty, malformed or the header
+        with open_stream(self.files[i]) as f:
+            lines = (
+                n
+                for n, line in enumerate(f, 1)
+                if (n > 1 or not self.headers[i])
+                and line.strip()
+                and len(_split(line, self.delimiter, quoted)) == ncols
+            )
             return f"{self.files[i]}:{next(itertools.islice(lines, row, None), row + 1)}"
 
     def describe(self) -> str:
-        """``the first N rows of FILES (format, header)``, for the table and the config's comment."""
+        """``the first N rows of FILES (format, header)``, for the table and the config's
+        comment."""
         read = ", ".join(str(f) for f in self.files[: len(self.counts)])
-        layout = "Parquet" if self.format == "parquet" else f"{self.format}, {'a' if self.header else 'no'} header line"
+        layout = (
+            "Parquet"
+            if self.format == "parquet"
+            else f"{self.format}, {'a' if self.header else 'no'} header line"
+        )
         skipped = f", {self.skipped} malformed line(s) skipped" if self.skipped else ""
-        return f"{'the first' if self.truncated else 'all'} {sum(self.counts):,} rows of {read} ({layout}{skipped})"
+        return (
+            f"{'the first' if self.truncated else 'all'} {sum(self.counts):,} rows of {read} "
+            f"({layout}{skipped})"
+        )
 
 
 def detect_format(path: Path, requested: str = "auto") -> FormatName:
@@ -83,7 +98,9 @@ def detect_format(path: Path, requested: str = "auto") -> FormatName:
         return known[ext]  # type: ignore[return-value]
     with open_stream(path) as f:
         head = f.read(4096)
-    return "parquet" if head[:4] == b"PAR1" else "tsv" if b"\t" in head.split(b"\n", 1)[0] else "csv"
+    return (
+        "parquet" if head[:4] == b"PAR1" else "tsv" if b"\t" in head.split(b"\n", 1)[0] else "csv"
+    )
 
 
 def _split(line: bytes, delimiter: str, quoted: bool) -> list[str]:
@@ -112,24 +129,38 @@ def looks_like_header(first: list[str], rest: list[list[str]]) -> bool:
     names = [f for f in first if f]
     if not names or len(set(names)) < len(names) or any(re.match(NUMBER, f) for f in names):
         return False
-    columns = [(name, [r[j] for r in rest if len(r) > j and r[j]]) for j, name in enumerate(first) if name]
+    columns = [
+        (name, [r[j] for r in rest if len(r) > j and r[j]]) for j, name in enumerate(first) if name
+    ]
     numbers_under_words = any(v and all(re.match(NUMBER, x) for x in v) for _, v in columns)
     return numbers_under_words or not any(name in v for name, v in columns)
 
 
-def _read_text(path: Path, ncols: int, header: bool, delimiter: str, quoted: bool, limit: int
-               ) -> tuple[pa.Table, int, bool]:
+def _read_text(
+    path: Path, ncols: int, header: bool, delimiter: str, quoted: bool, limit: int
+) -> tuple[pa.Table, int, bool]:
     """Up to ``limit`` rows, every column a string (null when empty), streamed in 1 MiB blocks
     (plain or gzip): (rows, malformed lines skipped, whether rows were left unread)."""
     skipped, cols, batches, rows, more = [], [f"c{i}" for i in range(ncols)], [], 0, False
     try:
         with open_stream(path) as stream:
             reader = pcsv.open_csv(
-                stream, read_options=pcsv.ReadOptions(column_names=cols, skip_rows=int(header), block_size=1 << 20),
-                parse_options=pcsv.ParseOptions(delimiter=delimiter, quote_char='"' if quoted else False,
-                                                invalid_row_handler=lambda row: skipped.append(row) or "skip"),
-                convert_options=pcsv.ConvertOptions(column_types=dict.fromkeys(cols, pa.string()), null_values=[""],
-                                                    strings_can_be_null=True, quoted_strings_can_be_null=True))
+                stream,
+                read_options=pcsv.ReadOptions(
+                    column_names=cols, skip_rows=int(header), block_size=1 << 20
+                ),
+                parse_options=pcsv.ParseOptions(
+                    delimiter=delimiter,
+                    quote_char='"' if quoted else False,
+                    invalid_row_handler=lambda row: skipped.append(row) or "skip",
+                ),
+                convert_options=pcsv.ConvertOptions(
+                    column_types=dict.fromkeys(cols, pa.string()),
+                    null_values=[""],
+                    strings_can_be_null=True,
+                    quoted_strings_can_be_null=True,
+                ),
+            )
             for batch in reader:
                 batches.append(batch)
                 rows += batch.num_rows
@@ -138,11 +169,16 @@ def _read_text(path: Path, ncols: int, header: bool, delimiter: str, quoted: boo
                     break
     except (pa.ArrowInvalid, OSError) as exc:
         raise DataError(f"{path}: cannot read: {exc}") from None
-    return pa.Table.from_batches(batches, pa.schema([(c, pa.string()) for c in cols])).slice(0, limit), len(skipped), more
+    return (
+        pa.Table.from_batches(batches, pa.schema([(c, pa.string()) for c in cols])).slice(0, limit),
+        len(skipped),
+        more,
+    )
 
 
 def _read_parquet(path: Path, limit: int) -> tuple[pa.Table, int, bool]:
-    """Up to ``limit`` rows of a Parquet file as stored: (rows, 0, whether rows were left unread)."""
+    """Up to ``limit`` rows of a Parquet file as stored: (rows, 0, whether rows were left
+    unread)."""
     try:
         f = pq.ParquetFile(path)
         batches: list[pa.RecordBatch] = []
@@ -156,13 +192,16 @@ def _read_parquet(path: Path, limit: int) -> tuple[pa.Table, int, bool]:
     return table, 0, f.metadata.num_rows > table.num_rows
 
 
-def read_sample(files: Sequence[Path], format: str = "auto", sample_rows: int = SAMPLE_ROWS) -> Sample:
+def read_sample(
+    files: Sequence[Path], format: str = "auto", sample_rows: int = SAMPLE_ROWS
+) -> Sample:
     """The first ``sample_rows`` rows of ``files``, read in order until there are enough."""
     files = [Path(f) for f in files]
     check_files(files, "input")
     fmt = detect_format(files[0], format)
     for path in files:
-        check_format(path, fmt, "--format {}")  # --format csv on a Parquet file, or the reverse: say so
+        # --format csv on a Parquet file, or the reverse: say so
+        check_format(path, fmt, "--format {}")
     names, header, delimiter, quoted = [], False, "," if fmt == "csv" else "\t", fmt != "criteo"
     if fmt == "parquet":
         names = _read_parquet(files[0], 1)[0].column_names
@@ -182,9 +221,13 @@ def read_sample(files: Sequence[Path], format: str = "auto", sample_rows: int = 
         else:
             first = _split(_head_lines(path, 1)[0], delimiter, quoted)
             has_header = header and (i == 0 or first == names)  # a test file may lack the header
-            table, bad, s.truncated = _read_text(path, len(names), has_header, delimiter, quoted, left)
+            table, bad, s.truncated = _read_text(
+                path, len(names), has_header, delimiter, quoted, left
+            )
         if len(first) != len(names) or (fmt == "parquet" and first != names):
-            raise DataError(f"{path}: {len(first)} columns ({', '.join(first[:6])}, ...) unlike {files[0]}'s")
+            raise DataError(
+                f"{path}: {len(first)} columns ({', '.join(first[:6])}, ...) unlike {files[0]}'s"
+            )
         tables.append(table.rename_columns([f"c{j}" for j in range(len(names))]))
         s.counts.append(table.num_rows)
         s.headers.append(has_header)
@@ -192,9 +235,17 @@ def read_sample(files: Sequence[Path], format: str = "auto", sample_rows: int = 
     s.table = pa.concat_tables(tables, promote_options="permissive")
     if s.table.num_rows == 0:
         raise DataError(f"{files[0]}: no data rows")
-    criteo = ["^[01]$"] + [r"^-?[0-9]+$"] * 13 + ["^[0-9a-fA-F]{1,8}$"] * 26  # label, 13 counts, 26 hex values
-    if fmt == "tsv" and format == "auto" and not header and len(names) == 40 and all(
+    # label, 13 counts, 26 hex values
+    criteo = ["^[01]$"] + [r"^-?[0-9]+$"] * 13 + ["^[0-9a-fA-F]{1,8}$"] * 26
+    if (
+        fmt == "tsv"
+        and format == "auto"
+        and not header
+        and len(names) == 40
+        and all(
             pc.all(pc.match_substring_regex(s.table.column(j).drop_null(), c)).as_py() is not False
-            for j, c in enumerate(criteo)):
+            for j, c in enumerate(criteo)
+        )
+    ):
         s.format = "criteo"
     return s

@@ -58,7 +58,11 @@ def redact_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         # unparseable: show nothing of it but the scheme and what follows the userinfo
-        return f"{scheme}{MASK}@{rest}" if userinfo is not None else (f"{scheme}{MASK}" if scheme else MASK)
+        return (
+            f"{scheme}{MASK}@{rest}"
+            if userinfo is not None
+            else (f"{scheme}{MASK}" if scheme else MASK)
+        )
     netloc = parts.netloc
     if "@" in netloc:
         auth, _, host = netloc.rpartition("@")
@@ -73,8 +77,10 @@ def _redact_query(text: str) -> str:
     if not query or "=" not in query:
         return text
     pairs = parse_qsl(query, keep_blank_values=True)
-    pairs = [(k, MASK if k.lower() in SECRET_QUERY_KEYS or k.lower().endswith("password") else v)
-             for k, v in pairs]
+    pairs = [
+        (k, MASK if k.lower() in SECRET_QUERY_KEYS or k.lower().endswith("password") else v)
+        for k, v in pairs
+    ]
     return before + q + urlencode(pairs, safe="/*")
 
 

@@ -20,12 +20,21 @@ def input_columns(spec: FeatureSpec, files: list[Path]) -> list[str]:
     return InputReader(spec, files[:1]).format.column_names(Path(files[0]))
 
 
-def dense_statistics(spec: FeatureSpec, files: list[Path], names: list[str], max_rows: int = SAMPLE_ROWS,
-                     block_bytes: int = 4 << 20) -> dict[str, tuple[float, float]]:
+def dense_statistics(
+    spec: FeatureSpec,
+    files: list[Path],
+    names: list[str],
+    max_rows: int = SAMPLE_ROWS,
+    block_bytes: int = 4 << 20,
+) -> dict[str, tuple[float, float]]:
     """(mean, std) of the raw values of dense features ``names`` over the first ``max_rows`` rows
     (missing values left out; a constant feature gets std 1)."""
-    raw = [f.model_copy(update={"transform": "none", "missing": float("nan")}) if f.name in names else f
-           for f in spec.dense]
+    raw = [
+        f.model_copy(update={"transform": "none", "missing": float("nan")})
+        if f.name in names
+        else f
+        for f in spec.dense
+    ]
     reader = InputReader(spec.model_copy(update={"dense": raw}), files)
     cols = [i for i, f in enumerate(spec.dense) if f.name in names]
     parts, seen = [], 0
@@ -51,5 +60,10 @@ def dense_statistics(spec: FeatureSpec, files: list[Path], names: list[str], max
 
 def needs_statistics(features: list) -> list[str]:
     """Names of standardize features without a mean or std."""
-    return [f.name for f in features if isinstance(f, DenseFeature) and f.transform == "standardize"
-            and (f.mean is None or f.std is None)]
+    return [
+        f.name
+        for f in features
+        if isinstance(f, DenseFeature)
+        and f.transform == "standardize"
+        and (f.mean is None or f.std is None)
+    ]

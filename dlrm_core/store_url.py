@@ -37,14 +37,18 @@ def check_store_url(url: str) -> str:
     if scheme in ("file", ""):
         return "file"
     if scheme not in REDIS_SCHEMES:
-        raise ConfigError(f"store URL {redact_url(url)}: unknown scheme {scheme!r} "
-                          "(use file://DIR, redis://host:port/db or rediss://host:port/db)")
+        raise ConfigError(
+            f"store URL {redact_url(url)}: unknown scheme {scheme!r} "
+            "(use file://DIR, redis://host:port/db or rediss://host:port/db)"
+        )
     _check_redis_url(url, scheme)
     if url_password(url) and url not in _warned:
         _warned.add(url)
-        log.warning("store URL %s carries a password: it shows in `ps` and shell history; "
-                    "give it with --store-password-file (DLRM_STORE_PASSWORD_FILE) instead",
-                    redact_url(url))
+        log.warning(
+            "store URL %s carries a password: it shows in `ps` and shell history; "
+            "give it with --store-password-file (DLRM_STORE_PASSWORD_FILE) instead",
+            redact_url(url),
+        )
     return "redis"
 
 
@@ -54,20 +58,27 @@ def _check_redis_url(url: str, scheme: str) -> None:
         raise ConfigError(
             f"store URL {shown}: its user or password holds a character URLs reserve (/ ? # @), "
             "so it cannot be read unambiguously; percent-encode it (/ as %2F, ? as %3F, # as %23, "
-            "@ as %40) or give the password with --store-password-file (DLRM_STORE_PASSWORD_FILE)")
+            "@ as %40) or give the password with --store-password-file (DLRM_STORE_PASSWORD_FILE)"
+        )
     try:
         parts = urlsplit(url)
     except ValueError:  # its message quotes the URL: not passed on
-        raise ConfigError(f"store URL {shown}: cannot be read as a URL (an unbalanced [ or ]?); "
-                          "percent-encode the password or give it with --store-password-file") from None
+        raise ConfigError(
+            f"store URL {shown}: cannot be read as a URL (an unbalanced [ or ]?); "
+            "percent-encode the password or give it with --store-password-file"
+        ) from None
     try:
         port = parts.port  # raises ValueError (quoting the port) when it is not a number
     except ValueError:
-        raise ConfigError(f"store URL {shown}: the port is not a number from 1 to 65535 "
-                          "(redis://[user[:password]@]host:port/db)") from None
+        raise ConfigError(
+            f"store URL {shown}: the port is not a number from 1 to 65535 "
+            "(redis://[user[:password]@]host:port/db)"
+        ) from None
     if scheme == "unix":
         if not parts.path:
-            raise ConfigError(f"store URL {shown}: no socket path (unix:///path/to/redis.sock?db=0)")
+            raise ConfigError(
+                f"store URL {shown}: no socket path (unix:///path/to/redis.sock?db=0)"
+            )
         _check_db(shown, parse_qs(parts.query).get("db", ["0"])[0])
         return
     if not parts.hostname:
@@ -81,8 +92,10 @@ def _check_redis_url(url: str, scheme: str) -> None:
 
 def _check_db(shown: str, db: str) -> None:
     if not db.isdigit():
-        raise ConfigError(f"store URL {shown}: the database {db[:16]!r} is not a number "
-                          "(redis://host:port/0; a prefix goes in ?prefix=NAME)")
+        raise ConfigError(
+            f"store URL {shown}: the database {db[:16]!r} is not a number "
+            "(redis://host:port/0; a prefix goes in ?prefix=NAME)"
+        )
 
 
 def file_store_dir(url: str) -> Path:

@@ -17,7 +17,9 @@ class LazyPool:
         initializer, initargs: run in each thread when it starts.
     """
 
-    def __init__(self, workers: int, prefix: str, initializer: Callable | None = None, initargs: tuple = ()) -> None:
+    def __init__(
+        self, workers: int, prefix: str, initializer: Callable | None = None, initargs: tuple = ()
+    ) -> None:
         self.workers, self.prefix = workers, prefix
         self.initializer, self.initargs = initializer, initargs
         self._pool: ThreadPoolExecutor | None = None
@@ -26,6 +28,10 @@ class LazyPool:
     def get(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self.prefix,
-                                                initializer=self.initializer, initargs=self.initargs)
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.workers,
+                    thread_name_prefix=self.prefix,
+                    initializer=self.initializer,
+                    initargs=self.initargs,
+                )
             return self._pool

@@ -34,7 +34,8 @@ class TableOverride(Section):
     shared_rows: float | None = Field(default=None, ge=0, lt=1)
     """Dynamic ids: this table's fraction of hashed shared rows (see [embedding] shared_rows)."""
     start_from_shared: bool | None = None
-    """Dynamic ids: whether this table's admitted ids start from their shared row (see [embedding])."""
+    """Dynamic ids: whether this table's admitted ids start from their shared row (see
+    [embedding])."""
 
 
 class EmbeddingConfig(Section):
@@ -49,7 +50,8 @@ class EmbeddingConfig(Section):
     ids: IdMode = "hashed"
     """hashed: row = id % rows (ids collide once the vocabulary outgrows the table); dynamic:
     raw 64-bit ids, each admitted id a row of its own while it holds one, the table's rows its
-    capacity (its first rows, ``shared_rows``, shared by hash by ids not admitted), ``embedding_server/idmap/``. Per table:
+    capacity (its first rows, ``shared_rows``, shared by hash by ids not admitted),
+    ``embedding_server/idmap/``. Per table:
     ``[[embedding.tables]] ids``."""
     admit_after: int = Field(default=1, ge=1)
     """Dynamic ids: occurrences (training lookups, count-min sketch) before an id gets its own
@@ -104,7 +106,8 @@ class DistConfig(Section):
     below the cores: ``idmap/ahead.py``, exact either way)."""
     corrected_lookups: bool = True
     """exact: look the next batch up before the previous update and then send only the bags that
-    update changed, looked up again (``correction.py``; false: wait for the update, then look up)."""
+    update changed, looked up again (``correction.py``; false: wait for the update, then look
+    up)."""
     exchange_chunks: int = Field(default=0, ge=0)
     """Pooled-vector and gradient messages per trainer/server pair and step (0: auto, 4 when some
     trainer and server are on different hosts, else 1): a chunk's gradients are applied, and its
@@ -129,7 +132,8 @@ class DistConfig(Section):
     """Tower plan file (``dlrm plan-towers``): features grouped into towers whose tower modules
     run on the embedding servers and compress the embeddings before they leave (DMT)."""
     tower_compress: int = flag(0, "--tower-compress", ge=0)
-    """Outputs c_t of every tower module, capped at the tower's features (0: as in the plan file)."""
+    """Outputs c_t of every tower module, capped at the tower's features (0: as in the plan
+    file)."""
     tower_dim: int = flag(0, "--tower-dim", ge=0)
     """Dim D' of the tower modules' output vectors, a learned projection of the tables' D; it
     compresses without merging features (0: D, no projection)."""

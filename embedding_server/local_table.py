@@ -67,5 +67,7 @@ def init_rows(local: LocalTable, seed: int, init_scale: float | None = None) -> 
         gen = torch.Generator().manual_seed((seed * 1_000_003 + local.index) * 1_000_003 + block)
         full = torch.empty(hi - lo, table.dim).uniform_(-bound, bound, generator=gen)
         a, b = max(lo, first), min(hi, last)
-        out[a - first : b - first] = full[a - lo : b - lo, local.col_start : local.col_start + spec.dim]
+        out[a - first : b - first] = full[
+            a - lo : b - lo, local.col_start : local.col_start + spec.dim
+        ]
     return out

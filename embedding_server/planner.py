@@ -48,8 +48,16 @@ class Piece(BaseModel):
 
     def local_table(self, table: TableSpec) -> LocalTable:
         pooling = "sum" if self.kind == "row_wise" else None  # the trainer normalises means
-        return LocalTable(table, self.table_index, self.row_start, self.col_start, self.rows, self.dim, pooling,
-                          self.row_pieces)
+        return LocalTable(
+            table,
+            self.table_index,
+            self.row_start,
+            self.col_start,
+            self.rows,
+            self.dim,
+            pooling,
+            self.row_pieces,
+        )
 
 
 class ShardingPlan(BaseModel):
@@ -62,12 +70,16 @@ class ShardingPlan(BaseModel):
         return sorted(mine, key=lambda p: (p.table_index, p.row_start, p.col_start))
 
     def pieces_of(self, table: str) -> list[Piece]:
-        return sorted((p for p in self.pieces if p.table == table), key=lambda p: (p.row_start, p.col_start))
+        return sorted(
+            (p for p in self.pieces if p.table == table), key=lambda p: (p.row_start, p.col_start)
+        )
 
     def kind_of(self, table: str) -> ShardingKind:
         return self.pieces_of(table)[0].kind
 
-    def slots_on(self, server: int, feature_tables: list[int], chunks: int = 1) -> list[tuple[int, Piece]]:
+    def slots_on(
+        self, server: int, feature_tables: list[int], chunks: int = 1
+    ) -> list[tuple[int, Piece]]:
         """What ``server`` looks up for each example: (feature, piece) for every categorical
         feature whose table has a piece there, by feature, then by the table's piece order, and,
         with ``chunks`` > 1, chunk by chunk (:meth:`chunks_on`). Features sharing a table read the
@@ -173,9 +185,22 @@ def plan_sharding(
     work = [0.0] * num_servers
     pieces: list[Piece] = []
 
-    def add(t: int, table: TableSpec, server: int, kind, r0, rows, c0, dim, share: float, parts: int = 1) -> None:
-        pieces.append(Piece(table=table.name, table_index=t, server=server, kind=kind,
-                            row_start=r0, rows=rows, col_start=c0, dim=dim, row_pieces=parts))
+    def add(
+        t: int, table: TableSpec, server: int, kind, r0, rows, c0, dim, share: float, parts: int = 1
+    ) -> None:
+        pieces.append(
+            Piece(
+                table=table.name,
+                table_index=t,
+                server=server,
+                kind=kind,
+                row_start=r0,
+                rows=rows,
+                col_start=c0,
+                dim=dim,
+                row_pieces=parts,
+            )
+        )
         used[server] += piece_bytes(rows, dim, optimizer)
         work[server] += factors[t] * share * dim
 
@@ -186,14 +211,22 @@ def plan_sharding(
             need = piece_bytes(rows, table.dim, optimizer)
             if used[server] + need > budget:
                 raise ConfigError(
-                    f"table {table.name} does not fit: split row-wise over {num_servers} server(s) it needs "
-                    f"{_fmt(need)} on server {server}, which has {_fmt(budget - used[server])} left: "
-                    f"{_fmt(used[server] + need - budget)} short (add servers or raise --server-memory)"
+                    f"table {table.name} does not fit: split row-wise over {num_servers} server(s) "
+                    "it needs "
+                    f"{_fmt(need)} on server {server}, which has {_fmt(budget - used[server])} "
+                    "left: "
+                    f"{_fmt(used[server] + need - budget)} short (add servers or raise "
+                    "--server-memory)"
                 )
         for server, (r0, rows) in enumerate(blocks):
-            add(t, table, server, "row_wise", r0, rows, 0, table.dim, rows / table.rows, len(blocks))
+            add(
+                t, table, server, "row_wise", r0, rows, 0, table.dim, rows / table.rows, len(blocks)
+            )
 
-    order = sorted(range(len(spec.tables)), key=lambda i: -piece_bytes(spec.tables[i].rows, spec.tables[i].dim, optimizer))
+    order = sorted(
+        range(len(spec.tables)),
+        key=lambda i: -piece_bytes(spec.tables[i].rows, spec.tables[i].dim, optimizer),
+    )
     for t in order:
         table = spec.tables[t]
         size = piece_bytes(table.rows, table.dim, optimizer)
@@ -215,11 +248,24 @@ def plan_sharding(
                     f"{_fmt(size - free)} short (each server holds {_fmt(budget)}; add servers, "
                     f"raise --server-memory or shrink the table)"
                 )
-            add(t, table, min(fits, key=lambda s: (work[s], used[s], s)), "table_wise", 0, table.rows, 0, table.dim, 1.0)
+            add(
+                t,
+                table,
+                min(fits, key=lambda s: (work[s], used[s], s)),
+                "table_wise",
+                0,
+                table.rows,
+                0,
+                table.dim,
+                1.0,
+            )
     over = [s for s in range(num_servers) if used[s] > budget]
     if over:
         s = over[0]
-        worst = max((p for p in pieces if p.server == s), key=lambda p: piece_bytes(p.rows, p.dim, optimizer))
+        worst = max(
+            (p for p in pieces if p.server == s),
+            key=lambda p: piece_bytes(p.rows, p.dim, optimizer),
+        )
         raise ConfigError(
             f"embedding server {s} needs {_fmt(used[s])} but holds {_fmt(budget)}: "
             f"{_fmt(used[s] - budget)} short (largest piece: table {worst.table})"
@@ -243,19 +289,32 @@ def _fmt(n: float) -> str:
     return f"{n}"
 
 
-def describe_plan(plan: ShardingPlan, spec: FeatureSpec, optimizer: SparseOptimizerKind, batch_size: int,
-                  pooling_factors: list[float] | None = None) -> str:
+def describe_plan(
+    plan: ShardingPlan,
+    spec: FeatureSpec,
+    optimizer: SparseOptimizerKind,
+    batch_size: int,
+    pooling_factors: list[float] | None = None,
+) -> str:
     """The plan as a table: per server, pieces, bytes and expected lookups per step; imbalance."""
     factors = pooling_factors or [1.0] * len(spec.tables)
     rows = []
     for s in range(plan.num_servers):
         mine = plan.pieces_on(s)
         nbytes = sum(piece_bytes(p.rows, p.dim, optimizer) for p in mine)
-        lookups = sum(factors[p.table_index] * batch_size * p.rows / spec.tables[p.table_index].rows
-                      if p.kind == "row_wise" else factors[p.table_index] * batch_size for p in mine)
+        lookups = sum(
+            factors[p.table_index] * batch_size * p.rows / spec.tables[p.table_index].rows
+            if p.kind == "row_wise"
+            else factors[p.table_index] * batch_size
+            for p in mine
+        )
         names = ", ".join(
-            p.table + {"table_wise": "", "row_wise": f"[rows {p.row_start}:{p.row_start + p.rows}]",
-                       "column_wise": f"[dims {p.col_start}:{p.col_start + p.dim}]"}[p.kind]
+            p.table
+            + {
+                "table_wise": "",
+                "row_wise": f"[rows {p.row_start}:{p.row_start + p.rows}]",
+                "column_wise": f"[dims {p.col_start}:{p.col_start + p.dim}]",
+            }[p.kind]
             for p in mine
         )
         rows.append((s, nbytes, lookups, names))
@@ -265,6 +324,8 @@ def describe_plan(plan: ShardingPlan, spec: FeatureSpec, optimizer: SparseOptimi
     out += [f"| {s} | {_fmt(b)} | {lk:,.0f} | {n} |" for s, b, lk, n in rows]
     imb_b = max(r[1] for r in rows) / mean_bytes if mean_bytes else 1.0
     imb_l = max(r[2] for r in rows) / mean_lookups if mean_lookups else 1.0
-    out.append(f"\nimbalance (max / mean): bytes {imb_b:.2f}, lookups {imb_l:.2f}; "
-               f"total {_fmt(sum(r[1] for r in rows))} on {plan.num_servers} server(s)")
+    out.append(
+        f"\nimbalance (max / mean): bytes {imb_b:.2f}, lookups {imb_l:.2f}; "
+        f"total {_fmt(sum(r[1] for r in rows))} on {plan.num_servers} server(s)"
+    )
     return "\n".join(out)

@@ -3,7 +3,8 @@
 Tables are streamed in chunks of rows from the memory-mapped checkpoint, so memory stays bounded
 whatever their size. A dynamic table also carries its id map (admitted ids, sorted, and their
 rows), which serving searches to find an id's row (its shared row, hash(id) % S, for any other id;
-a table split by rows over servers records its pieces, ``id_pieces``, that rule's layout). While streaming, each table's *default embedding* (what serving returns for
+a table split by rows over servers records its pieces, ``id_pieces``, that rule's layout). While
+streaming, each table's *default embedding* (what serving returns for
 a row missing from the store) is computed as the mean of its trained rows: rows whose weights
 differ from their (re-generated, seeded) initial values.
 """
@@ -49,7 +50,8 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def published_id_map(tables: CheckpointTables, name: str) -> tuple[np.ndarray, np.ndarray]:
     """A dynamic table's admitted ids, sorted, and their global rows (int64 [n] each), from a
-    checkpoint: the union of its row pieces' maps, when it is split by rows (``idmap/pieces.py``)."""
+    checkpoint: the union of its row pieces' maps, when it is split by rows
+    (``idmap/pieces.py``)."""
     ids, rows = [], []
     for start, n in tables.row_pieces(name):
         state = tables.id_map(name, start, n)
@@ -72,7 +74,8 @@ def publish_checkpoint(
     chunk_rows: int = CHUNK_ROWS,
     rows: Literal["all", "trained"] = "all",
 ) -> ModelVersion:
-    """Write the checkpoint's tables, dense weights and feature spec as one version; make it current.
+    """Write the checkpoint's tables, dense weights and feature spec as one version; make it
+    current.
 
     Args:
         rows: ``trained``: only rows training moved from their initial values are stored (in
@@ -90,17 +93,29 @@ def publish_checkpoint(
     tables = CheckpointTables(path)  # whatever sharding wrote it
     dense = load_file(path, "dense.pt")
     towers = meta.get("towers")
-    if towers and TowerPlan(towers=towers["towers"]).compresses(spec.feature_dims[0], towers["out_dim"]):
+    if towers and TowerPlan(towers=towers["towers"]).compresses(
+        spec.feature_dims[0], towers["out_dim"]
+    ):
         # (identity towers are the flat model as they are)
         modules = [load_file(path, f"tower-{t}.pt")["module"] for t in range(len(towers["towers"]))]
-        dense = {**{f"net.{k}": v for k, v in dense.items()},
-                 **{f"towers.{t}.{k}": v for t, state in enumerate(modules) for k, v in state.items()}}
+        dense = {
+            **{f"net.{k}": v for k, v in dense.items()},
+            **{f"towers.{t}.{k}": v for t, state in enumerate(modules) for k, v in state.items()},
+        }
     else:
         towers = None
-    id_pieces = {t.name: len(tables.row_pieces(t.name)) for t in spec.tables if t.dynamic is not None}
+    id_pieces = {
+        t.name: len(tables.row_pieces(t.name)) for t in spec.tables if t.dynamic is not None
+    }
     out = ModelVersion(
-        version=name, step=step, spec=spec, model=meta["model"], embedding_dim=meta["embedding_dim"],
-        row_dtype=row_dtype, source=str(path), towers=towers,
+        version=name,
+        step=step,
+        spec=spec,
+        model=meta["model"],
+        embedding_dim=meta["embedding_dim"],
+        row_dtype=row_dtype,
+        source=str(path),
+        towers=towers,
         id_pieces={t: n for t, n in id_pieces.items() if n > 1},
     )
     t0 = time.perf_counter()
@@ -111,15 +126,20 @@ def publish_checkpoint(
             trained = 0
             for start in range(0, table.rows, chunk_rows):
                 stop = min(start + chunk_rows, table.rows)
-                weights = tables.read(table.name, "weight", start, stop - start, 0, table.dim)  # [n, D]
+                # [n, D]
+                weights = tables.read(table.name, "weight", start, stop - start, 0, table.dim)
                 initial = init_rows(
                     LocalTable(table, index, row_start=start, rows=stop - start), seed, init_scale
                 )
                 moved = (weights != initial).any(dim=1)  # [n]
                 trained += int(moved.sum())
                 total += weights[moved].double().sum(dim=0).numpy()
-                writer.write_rows(table.name, start, weights.numpy(), moved.numpy() if rows == "trained" else None)
-            defaults[table.name] = (total / trained if trained else total).astype(np.float32).tolist()
+                writer.write_rows(
+                    table.name, start, weights.numpy(), moved.numpy() if rows == "trained" else None
+                )
+            defaults[table.name] = (
+                (total / trained if trained else total).astype(np.float32).tolist()
+            )
             log.debug("published %s: %d rows (%d trained)", table.name, table.rows, trained)
         for table in spec.tables:
             if table.dynamic is not None:
@@ -127,5 +147,10 @@ def publish_checkpoint(
         writer.meta = out.model_copy(update={"default_rows": defaults})
         writer.write_dense({k: v for k, v in dense.items() if isinstance(v, torch.Tensor)})
         writer.commit()
-    log.info("version %s is current in %s (%.1fs)", name, getattr(store, "url", store), time.perf_counter() - t0)
+    log.info(
+        "version %s is current in %s (%.1fs)",
+        name,
+        getattr(store, "url", store),
+        time.perf_counter() - t0,
+    )
     return writer.meta

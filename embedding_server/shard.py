@@ -25,6 +25,7 @@ from embedding_server.local_table import LocalTable, init_rows
 
 log = logging.getLogger(__name__)
 
+
 class EmbeddingShard(nn.Module):
     """Table pieces held by one process, looked up and updated together.
 
@@ -74,12 +75,20 @@ class EmbeddingShard(nn.Module):
         poolings = list(dict.fromkeys(pooling))
         # Within a kernel, features of one table come together (fbgemm's CPU row-wise Adagrad
         # needs a shared table's features contiguous); outputs are put back in feature order.
-        self.group_features = [sorted((i for i, p in enumerate(pooling) if p == mode), key=self._table_rank)
-                               for mode in poolings]
-        self.group_tables = [list(dict.fromkeys(self.feature_map[i] for i in feats)) for feats in self.group_features]
+        self.group_features = [
+            sorted((i for i, p in enumerate(pooling) if p == mode), key=self._table_rank)
+            for mode in poolings
+        ]
+        self.group_tables = [
+            list(dict.fromkeys(self.feature_map[i] for i in feats)) for feats in self.group_features
+        ]
         self.kernels = nn.ModuleList(
-            kernel_cls([tables[t].spec for t in group], optimizer, device,
-                       [group.index(self.feature_map[i]) for i in feats])
+            kernel_cls(
+                [tables[t].spec for t in group],
+                optimizer,
+                device,
+                [group.index(self.feature_map[i]) for i in feats],
+            )
             for feats, group in zip(self.group_features, self.group_tables, strict=True)
         )
         dims = [tables[t].spec.dim for t in self.feature_map]
@@ -104,8 +113,15 @@ class EmbeddingShard(nn.Module):
         live updates mark)."""
         # Dynamic tables: raw ids -> rows before the kernels (admission, eviction, row resets).
         self._blocks: tuple[RowBlocks, dict[str, RowBlocks]] | None = None
-        self.id_maps = ShardIdMaps(tables, self.feature_map, self._reset_rows, self._read_rows, seed, init_scale,
-                                   self._copy_rows)
+        self.id_maps = ShardIdMaps(
+            tables,
+            self.feature_map,
+            self._reset_rows,
+            self._read_rows,
+            seed,
+            init_scale,
+            self._copy_rows,
+        )
 
     @property
     def output_dim(self) -> int:
@@ -113,7 +129,8 @@ class EmbeddingShard(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Seeded initial weights; optimizer state zero (Adagrad accumulators at their start value)."""
+        """Seeded initial weights; optimizer state zero (Adagrad accumulators at their start
+        value)."""
         weights = self._table_views()
         for local, w in zip(self.local_tables, weights, strict=True):
             w.copy_(init_rows(local, seed, self.init_scale))
@@ -127,8 +144,13 @@ class EmbeddingShard(nn.Module):
         kernels' storage never moves, so the views stay valid)."""
         if self._blocks is None:
             states = self._state_views()
-            self._blocks = (RowBlocks(self._table_views()),
-                            {name: RowBlocks([s[name] for s in states]) for name in (states[0] if states else {})})
+            self._blocks = (
+                RowBlocks(self._table_views()),
+                {
+                    name: RowBlocks([s[name] for s in states])
+                    for name in (states[0] if states else {})
+                },
+            )
         return self._blocks
 
     @torch.no_grad()
@@ -138,12 +160,15 @@ class EmbeddingShard(nn.Module):
 
     @torch.no_grad()
     def _reset_rows(self, pieces: torch.Tensor, rows: torch.Tensor, fresh: torch.Tensor) -> None:
-        """Rows [k] of pieces [k] given to new ids: weights ``fresh`` [k, D], optimizer state as new."""
+        """Rows [k] of pieces [k] given to new ids: weights ``fresh`` [k, D], optimizer state as
+        new."""
         weights, states = self._row_blocks()
         weights.write(pieces, rows, fresh)
         self._new_state(pieces, rows, states)
 
-    def _new_state(self, pieces: torch.Tensor, rows: torch.Tensor, states: dict[str, RowBlocks]) -> None:
+    def _new_state(
+        self, pieces: torch.Tensor, rows: torch.Tensor, states: dict[str, RowBlocks]
+    ) -> None:
         """Optimizer state of rows [k] of pieces [k] as at the start (Adagrad's accumulator at its
         initial value, every other state zero)."""
         start = self.optimizer_config.initial_accumulator
@@ -162,9 +187,12 @@ class EmbeddingShard(nn.Module):
         """Order of a feature's table among the tables, by first use."""
         return list(dict.fromkeys(self.feature_map)).index(self.feature_map[feature])
 
-    def forward(self, sparse: SparseFeatures, remapped: SparseFeatures | None = None) -> torch.Tensor:
+    def forward(
+        self, sparse: SparseFeatures, remapped: SparseFeatures | None = None
+    ) -> torch.Tensor:
         """Pooled embeddings of every bag: ids of F features for B examples -> float [B, sum(D_f)].
-        ``remapped``: a training lookup's ids with dynamic tables' ids already remapped (``ahead.py``)."""
+        ``remapped``: a training lookup's ids with dynamic tables' ids already remapped
+        (``ahead.py``)."""
         if not self.kernels:  # a model without categorical features
             return torch.zeros(sparse.batch_size, 0, device=sparse.values.device)
         training = torch.is_grad_enabled()  # a lookup that will be backpropagated trains
@@ -210,12 +238,16 @@ class EmbeddingShard(nn.Module):
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """Each table piece's weights (views, not copies), by table name."""
-        return {t.table.name: w for t, w in zip(self.local_tables, self._table_views(), strict=True)}
+        return {
+            t.table.name: w for t, w in zip(self.local_tables, self._table_views(), strict=True)
+        }
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """Weights, optimizer state and step as flat named tensors (views), for checkpoints."""
         out: dict[str, torch.Tensor] = {}
-        for t, w, s in zip(self.local_tables, self._table_views(), self._state_views(), strict=True):
+        for t, w, s in zip(
+            self.local_tables, self._table_views(), self._state_views(), strict=True
+        ):
             out[f"{t.table.name}.weight"] = w
             for name, tensor in s.items():
                 out[f"{t.table.name}.{name}"] = tensor
@@ -228,11 +260,13 @@ class EmbeddingShard(nn.Module):
         return self.id_maps.stats()
 
     def id_owners(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Per dynamic table: (row_id [R], used [R]) views, the id each used row holds (live updates)."""
+        """Per dynamic table: (row_id [R], used [R]) views, the id each used row holds (live
+        updates)."""
         return self.id_maps.owners() if self.id_maps else {}
 
     def load_id_maps(self, maps: dict[str, torch.Tensor]) -> None:
-        """The id maps of its dynamic tables, ``<table>.idmap.<name>`` -> tensor (others ignored)."""
+        """The id maps of its dynamic tables, ``<table>.idmap.<name>`` -> tensor (others
+        ignored)."""
         if self.id_maps:
             self.id_maps.load(maps)
 
@@ -248,7 +282,9 @@ class EmbeddingShard(nn.Module):
                 continue
             src = state[name]
             if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)}, model {tuple(dst.shape)}")
+                raise ValueError(
+                    f"{name}: checkpoint shape {tuple(src.shape)}, model {tuple(dst.shape)}"
+                )
             dst.copy_(src)
         for kernel in self.kernels:
             kernel.step = int(state["step"])

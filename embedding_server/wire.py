@@ -20,12 +20,18 @@ from dlrm_core.errors import CheckpointError
 from dlrm_core.schema import FeatureSpec
 
 RowDtype = Literal["fp32", "fp16", "int8", "int4"]
-NUMPY_DTYPE = {"fp32": np.dtype("<f4"), "fp16": np.dtype("<f2"), "int8": np.dtype("u1"), "int4": np.dtype("u1")}
+NUMPY_DTYPE = {
+    "fp32": np.dtype("<f4"),
+    "fp16": np.dtype("<f2"),
+    "int8": np.dtype("u1"),
+    "int4": np.dtype("u1"),
+}
 """Element type of a stored row (quantized rows are bytes)."""
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
 """Row dtypes stored in fbgemm's row-wise quantized layout, and their bits per value."""
 SCALE_BIAS_BYTES = 4
-"""A quantized row ends with its fp16 scale and fp16 bias (``FloatToFusedNBitRowwiseQuantizedSBHalf``)."""
+"""A quantized row ends with its fp16 scale and fp16 bias
+(``FloatToFusedNBitRowwiseQuantizedSBHalf``)."""
 
 
 class ModelVersion(BaseModel):
@@ -100,7 +106,8 @@ def encode_rows(rows: np.ndarray, dtype: RowDtype) -> np.ndarray:
 
 
 def dequantize_rows(raw: np.ndarray, dim: int, dtype: RowDtype) -> np.ndarray:
-    """Stored rows [n, row_width] -> float32 [n, D] (numpy: readers of single rows need no fbgemm)."""
+    """Stored rows [n, row_width] -> float32 [n, D] (numpy: readers of single rows need no
+    fbgemm)."""
     bits = QUANTIZED_BITS.get(dtype)
     if bits is None:
         return raw.astype(np.float32)
@@ -155,7 +162,8 @@ def decode_ids(blob: bytes) -> np.ndarray:
 #   pooled   server -> trainer, float (the exchange dtype): [B_r, sum of the server's slot dims]
 #   grads    trainer -> server, the same layout (training lookups only)
 #
-# CHECKPOINT's message (the master's; ``checkpoint.snapshot.CutRequest``): argument = the step, payload
+# CHECKPOINT's message (the master's; ``checkpoint.snapshot.CutRequest``): argument = the step,
+# payload
 # = [base step + 1 (0: a full checkpoint), 0: written in the background | 1: everyone waits until
 # it is current | 3: only wait for the checkpoint already taken at this step].
 
@@ -196,12 +204,14 @@ def ids_dtype(max_rows: int) -> torch.dtype:
     return torch.int32 if max_rows < 2**31 else torch.int64
 
 
-def pack_ids(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def pack_ids(
+    parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
     """Per piece (values [n], lengths [B]) -> one payload of ``dtype``: per piece a flag, then
 
-        flag 1: values [B]               every bag holds exactly one id (one-hot features:
-                                         the lengths are implied, half the bytes)
-        flag 0: lengths [B], values [n]  otherwise
+    flag 1: values [B]               every bag holds exactly one id (one-hot features:
+                                     the lengths are implied, half the bytes)
+    flag 0: lengths [B], values [n]  otherwise
     """
     flat = []
     for values, lengths in parts:
@@ -213,7 +223,9 @@ def pack_ids(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype 
     return torch.cat(flat) if flat else torch.zeros(0, dtype=dtype)
 
 
-def unpack_ids(payload: torch.Tensor, batch: int, num_pieces: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def unpack_ids(
+    payload: torch.Tensor, batch: int, num_pieces: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Inverse of :func:`pack_ids`: -> per piece (values int64, lengths int64)."""
     out, pos = [], 0
     for _ in range(num_pieces):

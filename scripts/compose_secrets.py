@@ -19,8 +19,23 @@ import secrets
 import sys
 from pathlib import Path
 
-READER_COMMANDS = ("get", "zrange", "zscore", "exists", "xread", "xrange", "xrevrange",
-                   "multi", "exec", "discard", "ping", "evalsha_ro", "eval_ro", "getrange", "hgetall")
+READER_COMMANDS = (
+    "get",
+    "zrange",
+    "zscore",
+    "exists",
+    "xread",
+    "xrange",
+    "xrevrange",
+    "multi",
+    "exec",
+    "discard",
+    "ping",
+    "evalsha_ro",
+    "eval_ro",
+    "getrange",
+    "hgetall",
+)
 """What a serving replica sends (api/, embedding_server/stores/redis_store.py): nothing that writes
 (``getrange``: what the read-only gather script runs; a script runs as its caller; ``hgetall``:
 a dynamic table's id-map overlay, read when a version loads)."""
@@ -36,6 +51,7 @@ def _secret(path: Path) -> str:
 def acl(writer_password: str, reader_password: str, prefix: str = "dlrm") -> str:
     """The ACL file: ``dlrm`` may do anything but the dangerous commands on the prefix's keys,
     ``dlrm-api`` only the read commands serving needs."""
+
     def sha(p: str) -> str:
         return hashlib.sha256(p.encode()).hexdigest()
 
@@ -54,10 +70,17 @@ def make(directory: Path) -> dict[str, Path]:
     _secret(directory / "api-keys")
     (directory / "users.acl").write_text(acl(writer, reader))
     os.chmod(directory / "users.acl", 0o644)
-    return {name: directory / name for name in ("store-password", "api-store-password", "api-keys", "users.acl")}
+    return {
+        name: directory / name
+        for name in ("store-password", "api-store-password", "api-keys", "users.acl")
+    }
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "docker" / "secrets")
+    out = Path(
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else Path(__file__).resolve().parents[1] / "docker" / "secrets"
+    )
     for name, path in make(out).items():
         print(f"{name}: {path}")

@@ -60,7 +60,9 @@ def trained_criteo(tmp_path_factory, criteo_sample) -> Path:
     from dense_trainer.train import Trainer
 
     out = tmp_path_factory.mktemp("trained_criteo")
-    Trainer(tiny_config(train={"batch_size": 128}), out).fit([criteo_sample / "train.txt"], [criteo_sample / "test.txt"])
+    Trainer(tiny_config(train={"batch_size": 128}), out).fit(
+        [criteo_sample / "train.txt"], [criteo_sample / "test.txt"]
+    )
     return out
 
 

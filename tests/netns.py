@@ -53,7 +53,9 @@ class Hosts:
             _ip("-n", ns, "link", "set", "lo", "up")
             self._veths.append(outer)
         if self.hostnames:
-            table = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(self.addrs, self.hostnames, strict=True))
+            table = "127.0.0.1 localhost\n" + "".join(
+                f"{a} {h}\n" for a, h in zip(self.addrs, self.hostnames, strict=True)
+            )
             for ns in self.names:  # `ip netns exec` bind-mounts /etc/netns/<ns>/* over /etc/*
                 os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
                 with open(f"/etc/netns/{ns}/hosts", "w") as f:
@@ -72,8 +74,19 @@ class Hosts:
         """(rx, tx) bytes of host i's interface."""
         out = []
         for kind in ("rx_bytes", "tx_bytes"):
-            r = subprocess.run(["ip", "netns", "exec", self.names[i], "cat", f"/sys/class/net/{self.ifname}/statistics/{kind}"],
-                               capture_output=True, text=True, check=True)
+            r = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    self.names[i],
+                    "cat",
+                    f"/sys/class/net/{self.ifname}/statistics/{kind}",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             out.append(int(r.stdout))
         return out[0], out[1]
 

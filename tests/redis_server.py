@@ -24,9 +24,15 @@ class RedisServer:
         acl_file: users file; ``admin`` = (user, password) of a user that may PING and SHUTDOWN.
     """
 
-    def __init__(self, workdir: Path, password: str | None = None, tls: Path | None = None,
-                 client_certs: bool = False, acl_file: Path | None = None,
-                 admin: tuple[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        password: str | None = None,
+        tls: Path | None = None,
+        client_certs: bool = False,
+        acl_file: Path | None = None,
+        admin: tuple[str, str] | None = None,
+    ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
             if os.environ.get("DLRM_REQUIRE_REDIS"):
@@ -46,7 +52,9 @@ class RedisServer:
             return f"redis://{auth}127.0.0.1:{self.port}/0"
         query = f"ssl_ca_certs={self.tls / 'ca.pem'}"
         if self.client_certs:
-            query += f"&ssl_certfile={self.tls / 'client.pem'}&ssl_keyfile={self.tls / 'client.key'}"
+            query += (
+                f"&ssl_certfile={self.tls / 'client.pem'}&ssl_keyfile={self.tls / 'client.key'}"
+            )
         return f"rediss://{auth}127.0.0.1:{self.port}/0?{query}"
 
     @property
@@ -56,15 +64,40 @@ class RedisServer:
         return self.url_for(None, self.password)
 
     def start(self) -> RedisServer:
-        port = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
-        args = [self.exe, *port, "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--save", "", "--appendonly", "no", "--dbfilename", "dump.rdb", "--daemonize", "no"]
+        port = (
+            ["--port", "0", "--tls-port", str(self.port)]
+            if self.tls
+            else ["--port", str(self.port)]
+        )
+        args = [
+            self.exe,
+            *port,
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dbfilename",
+            "dump.rdb",
+            "--daemonize",
+            "no",
+        ]
         if self.password:
             args += ["--requirepass", self.password]
         if self.tls is not None:
-            args += ["--tls-cert-file", str(self.tls / "server.pem"), "--tls-key-file", str(self.tls / "server.key"),
-                     "--tls-ca-cert-file", str(self.tls / "ca.pem"),
-                     "--tls-auth-clients", "yes" if self.client_certs else "no"]
+            args += [
+                "--tls-cert-file",
+                str(self.tls / "server.pem"),
+                "--tls-key-file",
+                str(self.tls / "server.key"),
+                "--tls-ca-cert-file",
+                str(self.tls / "ca.pem"),
+                "--tls-auth-clients",
+                "yes" if self.client_certs else "no",
+            ]
         if self.acl_file is not None:
             args += ["--aclfile", str(self.acl_file)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -98,12 +131,50 @@ def make_certificates(directory: Path) -> Path:
     def run(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-        "-subj", "/CN=dlrm-test-ca")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=dlrm-test-ca",
+    )
     (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
     for name in ("server", "client"):
-        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-            "-subj", f"/CN=dlrm-test-{name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "1", "-extfile", "san.cnf")
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN=dlrm-test-{name}",
+        )
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            "san.cnf",
+        )
     return directory

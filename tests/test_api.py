@@ -38,7 +38,10 @@ def to_instance(line: str, named: bool = False):
     dense = [int(x) if x else None for x in f[1:14]]
     sparse = [x or None for x in f[14:40]]
     if named:
-        return {**{f"I{i + 1}": v for i, v in enumerate(dense)}, **{f"C{i + 1}": v for i, v in enumerate(sparse)}}
+        return {
+            **{f"I{i + 1}": v for i, v in enumerate(dense)},
+            **{f"C{i + 1}": v for i, v in enumerate(sparse)},
+        }
     return {"dense": dense, "sparse": sparse}
 
 
@@ -50,7 +53,9 @@ def file_store_url(trained_criteo, tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["file", "redis"])
-def test_api_scores_equal_offline_evaluation(backend, trained_criteo, criteo_sample, file_store_url, request):
+def test_api_scores_equal_offline_evaluation(
+    backend, trained_criteo, criteo_sample, file_store_url, request
+):
     if backend == "redis":
         url = f"{request.getfixturevalue('redis_server').url}?prefix=parity{uuid.uuid4().hex[:6]}"
         publish_checkpoint(trained_criteo, open_store(url), version="v1")
@@ -59,7 +64,9 @@ def test_api_scores_equal_offline_evaluation(backend, trained_criteo, criteo_sam
     expected = offline_probabilities(trained_criteo, criteo_sample / "test.txt")
     text = (criteo_sample / "test.txt").read_text()
     with client_for(url) as client:
-        r = client.post("/v1/models/dlrm:predict_tsv", content=text, headers={"content-type": "text/plain"})
+        r = client.post(
+            "/v1/models/dlrm:predict_tsv", content=text, headers={"content-type": "text/plain"}
+        )
         assert r.status_code == 200, r.text
         got = np.array(r.json()["predictions"])
         assert got.shape == (2000,)
@@ -106,8 +113,13 @@ GOOD = {"dense": [1] * 13, "sparse": ["68fd1e64"] * 26}
     ],
 )
 def test_bad_input_is_a_4xx_naming_the_field(file_store_url, body, status, field):
-    with client_for(file_store_url) as client:  # json.dumps writes inf as Infinity, as some clients do
-        r = client.post("/v1/models/dlrm:predict", content=json.dumps(body), headers={"content-type": "application/json"})
+    # json.dumps writes inf as Infinity, as some clients do
+    with client_for(file_store_url) as client:
+        r = client.post(
+            "/v1/models/dlrm:predict",
+            content=json.dumps(body),
+            headers={"content-type": "application/json"},
+        )
     assert r.status_code == status, r.text
     assert r.json()["field"] == field, r.json()
     assert field in r.json()["error"]
@@ -115,15 +127,29 @@ def test_bad_input_is_a_4xx_naming_the_field(file_store_url, body, status, field
 
 def test_other_bad_requests(file_store_url):
     with client_for(file_store_url, max_body_bytes=10_000) as client:
-        r = client.post("/v1/models/dlrm:predict", content=b'{"instances": [NaN]}', headers={"content-type": "application/json"})
+        r = client.post(
+            "/v1/models/dlrm:predict",
+            content=b'{"instances": [NaN]}',
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 422 and r.json()["field"].startswith("instances")
-        r = client.post("/v1/models/dlrm:predict", content=b"{oops", headers={"content-type": "application/json"})
+        r = client.post(
+            "/v1/models/dlrm:predict",
+            content=b"{oops",
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 422 and r.json()["field"] == "body"
         r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD] * 100})
         assert r.status_code == 413 and r.json()["field"] == "body"
-        chunked = (json.dumps({"instances": [GOOD] * 100})[i : i + 1000].encode() for i in range(0, 200_000, 1000))
-        r = client.post("/v1/models/dlrm:predict", content=chunked, headers={"content-type": "application/json"})
-        assert r.status_code == 413 and r.json()["field"] == "body"  # no Content-Length: counted while read
+        chunked = (
+            json.dumps({"instances": [GOOD] * 100})[i : i + 1000].encode()
+            for i in range(0, 200_000, 1000)
+        )
+        r = client.post(
+            "/v1/models/dlrm:predict", content=chunked, headers={"content-type": "application/json"}
+        )
+        # no Content-Length: counted while read
+        assert r.status_code == 413 and r.json()["field"] == "body"
         r = client.post("/v1/models/nope:predict", json={"instances": [GOOD]})
         assert r.status_code == 404 and r.json()["field"] == "name"
         r = client.post("/v1/models/dlrm:predict_tsv", content="1\t2\t3")
@@ -153,9 +179,14 @@ def test_health_readiness_metrics_docs(tmp_path, trained_criteo):
         assert info["model_version"] == "first" and len(info["sparse_features"]) == 26
         client.post("/v1/models/dlrm:predict", json={"instances": [GOOD] * 3})
         text = client.get("/metrics").text
-        # Samples, not HELP lines: values that only this traffic explains (tests/test_serving_metrics.py has more).
-        for sample in ['dlrm_batch_instances_sum{input="instances"} 3.0', 'dlrm_model_version_info{version="first"} 1.0',
-                       'dlrm_request_latency_seconds_count{method="POST",route="/v1/models/{name}:predict",status="503"} 1.0']:
+        # Samples, not HELP lines: values that only this traffic explains
+        # (tests/test_serving_metrics.py has more).
+        for sample in [
+            'dlrm_batch_instances_sum{input="instances"} 3.0',
+            'dlrm_model_version_info{version="first"} 1.0',
+            'dlrm_request_latency_seconds_count{method="POST",'
+            'route="/v1/models/{name}:predict",status="503"} 1.0',
+        ]:
             assert sample in text, sample
         assert client.get("/docs").status_code == 200
         assert "/v1/models/{name}:predict" in client.get("/openapi.json").json()["paths"]
@@ -166,9 +197,17 @@ def test_api_key(file_store_url, tmp_path):
     key_file.write_text("k3y-0123456789abc\n")
     with client_for(file_store_url, api_key_file=key_file) as client:
         assert client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}).status_code == 401
-        r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"Authorization": "Bearer wrong"})
+        r = client.post(
+            "/v1/models/dlrm:predict",
+            json={"instances": [GOOD]},
+            headers={"Authorization": "Bearer wrong"},
+        )
         assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
-        r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"Authorization": "Bearer k3y-0123456789abc"})
+        r = client.post(
+            "/v1/models/dlrm:predict",
+            json={"instances": [GOOD]},
+            headers={"Authorization": "Bearer k3y-0123456789abc"},
+        )
         assert r.status_code == 200
         assert client.get("/healthz").status_code == 200
 
@@ -179,7 +218,8 @@ def test_stale_reads_are_not_cached_after_an_invalidation():
     cache = RowCache([("t", 100, 4)], 1 << 20)
     epoch = cache.epoch("t")  # a request reads row 7 from the store...
     cache.invalidate("t", np.array([7]))  # ...a live update rewrites it meanwhile...
-    cache.put("t", np.array([7]), np.ones((1, 4), np.float32), epoch)  # ...the stale read is dropped
+    # ...the stale read is dropped
+    cache.put("t", np.array([7]), np.ones((1, 4), np.float32), epoch)
     assert not cache.get("t", np.array([7]))[1].any()
     cache.put("t", np.array([7]), np.ones((1, 4), np.float32), cache.epoch("t"))
     assert cache.get("t", np.array([7]))[1].all()
@@ -192,6 +232,7 @@ def test_version_swaps_under_load_fail_no_request(tmp_path, trained_criteo):
     statuses, versions = [], set()
     stop = threading.Event()
     with client_for(url) as client:
+
         def hammer():
             while not stop.is_set():
                 r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD] * 8})
@@ -219,7 +260,10 @@ def test_redis_outage_cached_rows_answer_then_recovery(tmp_path, trained_criteo,
         lines = (criteo_sample / "test.txt").read_text().splitlines()
         warm, cold = to_instance(lines[0]), to_instance(lines[1])
         with client_for(server.url, store_timeout_s=0.5) as client:
-            assert client.post("/v1/models/dlrm:predict", json={"instances": [warm]}).status_code == 200
+            assert (
+                client.post("/v1/models/dlrm:predict", json={"instances": [warm]}).status_code
+                == 200
+            )
             server.stop(save=True)
             t0 = time.perf_counter()
             r = client.post("/v1/models/dlrm:predict", json={"instances": [warm]})

@@ -26,7 +26,8 @@ PREDICT = "/v1/models/dlrm:predict"
 def rows(criteo_sample) -> list[dict]:
     lines = (criteo_sample / "test.txt").read_text().splitlines()[:48]
     out = [to_instance(x) for x in lines]
-    out[3]["sparse"][2] = ["68fd1e64", "80e26c9b", "fb936136"]  # a bag: offsets that are not 1 apart
+    # a bag: offsets that are not 1 apart
+    out[3]["sparse"][2] = ["68fd1e64", "80e26c9b", "fb936136"]
     out[7]["sparse"][5] = []
     return out
 
@@ -52,8 +53,12 @@ def test_merged_inputs_equal_inputs_featurised_together(file_store_url, rows, ba
     with TestClient(create_app(Settings(store=file_store_url))) as client:
         model = client.app.state.service.model
         validated = PredictRequest(instances=batch).instances
-        merged = merge([featurize_instances(model.spec, model.featurizer, validated[lo:hi])
-                        for lo, hi in ((0, 1), (1, 5), (5, 6), (6, 12))])
+        merged = merge(
+            [
+                featurize_instances(model.spec, model.featurizer, validated[lo:hi])
+                for lo, hi in ((0, 1), (1, 5), (5, 6), (6, 12))
+            ]
+        )
         together = featurize_instances(model.spec, model.featurizer, validated)
         for got, want in zip(merged, together, strict=True):
             np.testing.assert_array_equal(got, want)
@@ -76,13 +81,17 @@ def _slow_first_calls(service, seconds: float, calls: int):
 
 def test_concurrent_requests_are_batched_and_score_as_alone(file_store_url, rows):
     with TestClient(create_app(Settings(store=file_store_url, batching=False))) as client:
-        alone = [client.post(PREDICT, json={"instances": [r]}).json()["predictions"][0] for r in rows]
+        alone = [
+            client.post(PREDICT, json={"instances": [r]}).json()["predictions"][0] for r in rows
+        ]
     with TestClient(create_app(Settings(store=file_store_url, batch_max_size=16))) as client:
         service = client.app.state.service
         _slow_first_calls(service, 0.3, 1)
         with ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(lambda r: client.post(PREDICT, json={"instances": [r]}), rows))
-        assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+        assert all(a.status_code == 200 for a in answers), [
+            a.text for a in answers if a.status_code != 200
+        ]
         together = [a.json()["predictions"][0] for a in answers]
         sizes = histogram(client.get("/metrics").text, "dlrm_model_batch_requests")
         examples = histogram(client.get("/metrics").text, "dlrm_model_batch_examples")
@@ -110,17 +119,23 @@ def test_a_failing_request_fails_alone_in_its_batch(file_store_url, rows):
 
         service.score = score_unless_poisoned
         _slow_first_calls(service, 0.3, 1)
-        expected = [client.post(PREDICT, json={"instances": [r]}).json()["predictions"][0] for r in rows[:8]]
+        expected = [
+            client.post(PREDICT, json={"instances": [r]}).json()["predictions"][0] for r in rows[:8]
+        ]
         bodies = [{"instances": [poison]}, *({"instances": [r]} for r in rows[:8])]
         _slow_first_calls(service, 0.5, 1)
         with ThreadPoolExecutor(len(bodies) + 1) as pool:
-            blocker = pool.submit(client.post, PREDICT, json={"instances": [rows[9]]})  # scored first, slowly
+            # scored first, slowly
+            blocker = pool.submit(client.post, PREDICT, json={"instances": [rows[9]]})
             time.sleep(0.2)
-            answers = list(pool.map(lambda body: client.post(PREDICT, json=body), bodies))  # queued behind it
+            # queued behind it
+            answers = list(pool.map(lambda body: client.post(PREDICT, json=body), bodies))
             assert blocker.result().status_code == 200
     assert answers[0].status_code == 500 and "request_id" in answers[0].json()
     assert [a.status_code for a in answers[1:]] == [200] * 8
-    np.testing.assert_allclose([a.json()["predictions"][0] for a in answers[1:]], expected, atol=1e-6)
+    np.testing.assert_allclose(
+        [a.json()["predictions"][0] for a in answers[1:]], expected, atol=1e-6
+    )
     assert len(bodies) in calls, f"the poisoned request was never batched with the others: {calls}"
 
 
@@ -132,7 +147,10 @@ def test_concurrent_small_requests_are_queued_from_the_loop_and_fail_alone(file_
     bad = {"dense": ["many"] + [None] * 12, "sparse": [None] * 26}
     with TestClient(create_app(Settings(store=file_store_url))) as client:
         service = client.app.state.service
-        expected = [client.post(PREDICT, json={"instances": [r]}).json()["predictions"][0] for r in rows[:12]]
+        expected = [
+            client.post(PREDICT, json={"instances": [r]}).json()["predictions"][0]
+            for r in rows[:12]
+        ]
         score, threads = service.score, []
 
         def score_unless_poisoned(model, inputs):
@@ -142,14 +160,23 @@ def test_concurrent_small_requests_are_queued_from_the_loop_and_fail_alone(file_
             return score(model, inputs)
 
         service.score = score_unless_poisoned
-        _slow_first_calls(service, 0.3, 1)  # the first queued call holds the batcher: the rest queue
-        bodies = [{"instances": [poison]}, {"instances": [bad]}, *({"instances": [r]} for r in rows[:12])]
+        # the first queued call holds the batcher: the rest queue
+        _slow_first_calls(service, 0.3, 1)
+        bodies = [
+            {"instances": [poison]},
+            {"instances": [bad]},
+            *({"instances": [r]} for r in rows[:12]),
+        ]
         with ThreadPoolExecutor(len(bodies)) as pool:
             answers = list(pool.map(lambda body: client.post(PREDICT, json=body), bodies))
     assert answers[0].status_code == 500 and "request_id" in answers[0].json()
-    assert answers[1].status_code == 422 and answers[1].json()["field"] == "instances.0.dense.0", answers[1].text
+    assert answers[1].status_code == 422 and answers[1].json()["field"] == "instances.0.dense.0", (
+        answers[1].text
+    )
     assert [a.status_code for a in answers[2:]] == [200] * 12
-    np.testing.assert_allclose([a.json()["predictions"][0] for a in answers[2:]], expected, atol=1e-6)
+    np.testing.assert_allclose(
+        [a.json()["predictions"][0] for a in answers[2:]], expected, atol=1e-6
+    )
     names = {name for name, _ in threads}
     assert "batcher" in names and not any(n.startswith("score") for n in names), threads
     assert max(size for _, size in threads) > 1, f"no batch formed: {threads}"
@@ -172,9 +199,13 @@ def test_an_unavailable_store_fails_a_batch_at_once(file_store_url, rows):
 
         service.score = down
         with ThreadPoolExecutor(12) as pool:
-            answers = list(pool.map(lambda r: client.post(PREDICT, json={"instances": [r]}), rows[:12]))
+            answers = list(
+                pool.map(lambda r: client.post(PREDICT, json={"instances": [r]}), rows[:12])
+            )
     assert [a.status_code for a in answers] == [503] * 12, [a.text for a in answers]
-    assert max(sizes) > 1 and len(sizes) < 12, f"model calls of {sizes} examples: a batch was scored again alone"
+    assert max(sizes) > 1 and len(sizes) < 12, (
+        f"model calls of {sizes} examples: a batch was scored again alone"
+    )
 
 
 def test_submit_after_stop_is_refused_and_queued_jobs_are_scored(file_store_url, rows):
@@ -185,7 +216,9 @@ def test_submit_after_stop_is_refused_and_queued_jobs_are_scored(file_store_url,
     with TestClient(create_app(Settings(store=file_store_url))) as client:
         service = client.app.state.service
         model = service.model
-        inputs = featurize_instances(model.spec, model.featurizer, PredictRequest(instances=rows[:2]).instances)
+        inputs = featurize_instances(
+            model.spec, model.featurizer, PredictRequest(instances=rows[:2]).instances
+        )
         _slow_first_calls(service, 0.3, 1)
         futures = [service.batcher.submit(model, inputs) for _ in range(3)]
         service.batcher.stop()

@@ -18,7 +18,9 @@ from embedding_server.checkpoint.files import (
 
 def test_round_trip_and_latest(tmp_path):
     t = {"w": torch.arange(6.0).view(2, 3), "n": torch.tensor(3)}
-    path = write_checkpoint(tmp_path, 5, {"a.pt": t, "b.pt": {"step": 5, "hist": [{"x": 1.0}]}}, {"k": "v"})
+    path = write_checkpoint(
+        tmp_path, 5, {"a.pt": t, "b.pt": {"step": 5, "hist": [{"x": 1.0}]}}, {"k": "v"}
+    )
     assert latest_checkpoint(tmp_path) == path
     assert read_manifest(path)["step"] == 5 and read_manifest(path)["meta"] == {"k": "v"}
     loaded = load_file(path, "a.pt")
@@ -76,7 +78,9 @@ def test_failed_write_leaves_previous_checkpoint_current(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt, "_save_file", disk_full_on_second_file)
     with pytest.raises(CheckpointError, match="cannot write checkpoint .*No space"):
-        write_checkpoint(tmp_path, 2, {"a.pt": {"w": torch.ones(2)}, "b.pt": {"w": torch.ones(2)}}, {})
+        write_checkpoint(
+            tmp_path, 2, {"a.pt": {"w": torch.ones(2)}, "b.pt": {"w": torch.ones(2)}}, {}
+        )
     assert latest_checkpoint(tmp_path) == good
     assert not list(tmp_path.glob(".step-*")) and not (tmp_path / "step-0000000002").exists()
     assert torch.equal(load_file(good, "a.pt")["w"], torch.ones(2))

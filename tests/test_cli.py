@@ -16,7 +16,9 @@ DLRM = [sys.executable, str(REPO / "dlrm_cli.py")]
 
 
 def run(*args, **kw):
-    return subprocess.run([*DLRM, *map(str, args)], capture_output=True, text=True, cwd=REPO, **{"timeout": 120, **kw})
+    return subprocess.run(
+        [*DLRM, *map(str, args)], capture_output=True, text=True, cwd=REPO, **{"timeout": 120, **kw}
+    )
 
 
 def assert_one_line_error(proc, *fragments):
@@ -29,7 +31,9 @@ def assert_one_line_error(proc, *fragments):
 
 
 def test_synth_writes_files_and_bayes(tmp_path):
-    proc = run("data", "synth", "--train-rows", 1000, "--test-rows", 500, "--out", tmp_path, "--seed", 3)
+    proc = run(
+        "data", "synth", "--train-rows", 1000, "--test-rows", 500, "--out", tmp_path, "--seed", 3
+    )
     assert proc.returncode == 0, proc.stderr
     bayes = json.loads((tmp_path / "bayes.json").read_text())
     assert 0.6 < bayes["test_auc"] < 1 and bayes["test_rows"] == 500
@@ -41,15 +45,32 @@ def test_synth_writes_files_and_bayes(tmp_path):
 
 
 def test_missing_train_file(tmp_path):
-    proc = run("train", "--train", tmp_path / "nope.txt", "--test", tmp_path / "nope.txt", "--out", tmp_path / "o")
+    proc = run(
+        "train",
+        "--train",
+        tmp_path / "nope.txt",
+        "--test",
+        tmp_path / "nope.txt",
+        "--out",
+        tmp_path / "o",
+    )
     assert_one_line_error(proc, "nope.txt", "no such file")
 
 
 def test_unwritable_out(tmp_path, synth_small):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    proc = run("train", "--train", synth_small / "train.txt", "--test", synth_small / "test.txt",
-               "--out", blocker / "sub", "--config", "configs/tiny.toml")
+    proc = run(
+        "train",
+        "--train",
+        synth_small / "train.txt",
+        "--test",
+        synth_small / "test.txt",
+        "--out",
+        blocker / "sub",
+        "--config",
+        "configs/tiny.toml",
+    )
     assert_one_line_error(proc, "--out", "not writable")
 
 
@@ -65,9 +86,20 @@ def test_bad_store_urls_are_one_line_errors(tmp_path):
 def test_config_typo(tmp_path, synth_small):
     cfg = tmp_path / "c.toml"
     cfg.write_text("[model]\ninteraction = 'dot'\nover_arch_layers = [4]\n")
-    proc = run("train", "--train", synth_small / "train.txt", "--test", synth_small / "test.txt",
-               "--out", tmp_path / "o", "--config", cfg)
-    assert_one_line_error(proc, "model.over_arch_layers", "unknown setting", "over_arch_layer_sizes")
+    proc = run(
+        "train",
+        "--train",
+        synth_small / "train.txt",
+        "--test",
+        synth_small / "test.txt",
+        "--out",
+        tmp_path / "o",
+        "--config",
+        cfg,
+    )
+    assert_one_line_error(
+        proc, "model.over_arch_layers", "unknown setting", "over_arch_layer_sizes"
+    )
 
 
 def test_strict_malformed_names_file_and_line(tmp_path, synth_small):
@@ -75,16 +107,39 @@ def test_strict_malformed_names_file_and_line(tmp_path, synth_small):
     lines = (synth_small / "test.txt").read_text().splitlines(keepends=True)[:50]
     lines[41] = "1\tnot\ta\tline\n"
     bad.write_text("".join(lines))
-    proc = run("train", "--train", bad, "--test", bad, "--out", tmp_path / "o", "--config", "configs/tiny.toml",
-               "--strict", "--no-progress")
+    proc = run(
+        "train",
+        "--train",
+        bad,
+        "--test",
+        bad,
+        "--out",
+        tmp_path / "o",
+        "--config",
+        "configs/tiny.toml",
+        "--strict",
+        "--no-progress",
+    )
     assert_one_line_error(proc, f"{bad}:42", "wrong field count")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="signals")
 def test_sigterm_checkpoints_and_resume_completes(tmp_path, synth_medium):
     out = tmp_path / "run"
-    args = ["train", "--train", synth_medium / "train.txt", "--test", synth_medium / "test.txt", "--out", out,
-            "--config", "configs/tiny.toml", "--batch-size", "64", "--no-progress"]
+    args = [
+        "train",
+        "--train",
+        synth_medium / "train.txt",
+        "--test",
+        synth_medium / "test.txt",
+        "--out",
+        out,
+        "--config",
+        "configs/tiny.toml",
+        "--batch-size",
+        "64",
+        "--no-progress",
+    ]
     proc = subprocess.Popen([*DLRM, *map(str, args)], cwd=REPO, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not list(out.glob("checkpoints/step-*")) and time.time() < deadline:

@@ -28,8 +28,12 @@ def test_compose_file_validates():
             pytest.fail("docker-compose is not installed, and DLRM_REQUIRE_COMPOSE is set")
         pytest.skip("docker-compose is not installed (.ci/run installs Debian's)")
     for profiles in ("cpu", "gpu"):
-        r = subprocess.run([exe, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
-                           env={**os.environ, "COMPOSE_PROFILES": profiles})
+        r = subprocess.run(
+            [exe, "-f", str(COMPOSE), "config", "-q"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COMPOSE_PROFILES": profiles},
+        )
         assert r.returncode == 0, r.stderr
 
 
@@ -42,7 +46,9 @@ def test_compose_publishes_only_the_api_and_mounts_secrets():
     services = active_services()
     assert [name for name, s in services.items() if s.get("ports")] == ["api"]
     env = services["api"]["environment"]
-    assert env["DLRM_STORE"].startswith("redis://dlrm-api@") and env["DLRM_API_KEY_FILE"].startswith("/run/secrets/")
+    assert env["DLRM_STORE"].startswith("redis://dlrm-api@") and env[
+        "DLRM_API_KEY_FILE"
+    ].startswith("/run/secrets/")
     for name, s in services.items():  # no password in any URL or variable, only files
         for value in (s.get("environment") or {}).values():
             assert ":" not in str(value).split("@")[0].removeprefix("redis://"), (name, value)
@@ -54,7 +60,15 @@ def test_compose_cluster_in_network_namespaces(synth_small, tmp_path):
     if why_not is not None:
         pytest.skip(f"network namespaces unavailable here ({why_not})")
     services = active_services()
-    assert {"redis", "embedding-server-0", "embedding-server-1", "trainer-0", "trainer-1", "publish", "api"} <= set(services)
+    assert {
+        "redis",
+        "embedding-server-0",
+        "embedding-server-1",
+        "trainer-0",
+        "trainer-1",
+        "publish",
+        "api",
+    } <= set(services)
     run_dir = tmp_path / "var-lib-dlrm"
     run_dir.mkdir()
     sys.path.insert(0, str(REPO / "scripts"))
@@ -62,8 +76,15 @@ def test_compose_cluster_in_network_namespaces(synth_small, tmp_path):
 
     made = make(tmp_path / "secrets")  # what `make compose-secrets` writes to docker/secrets/
     declared = yaml.safe_load(COMPOSE.read_text())["secrets"]
-    mounts = {"/data": str(synth_small), "/var/lib/dlrm": str(run_dir), "/opt/dlrm/configs": str(REPO / "configs"),
-              **{f"/run/secrets/{name}": str(made[spec["file"].rsplit("/", 1)[1]]) for name, spec in declared.items()}}
+    mounts = {
+        "/data": str(synth_small),
+        "/var/lib/dlrm": str(run_dir),
+        "/opt/dlrm/configs": str(REPO / "configs"),
+        **{
+            f"/run/secrets/{name}": str(made[spec["file"].rsplit("/", 1)[1]])
+            for name, spec in declared.items()
+        },
+    }
 
     def host_path(value: str) -> str:
         for inside, outside in mounts.items():
@@ -73,22 +94,44 @@ def test_compose_cluster_in_network_namespaces(synth_small, tmp_path):
     def argv(name: str) -> list[str]:
         command = services[name]["command"]
         if name == "redis":  # the image's entrypoint adds --protected-mode no; data in a tmp dir
-            return [shutil.which("redis-server") or pytest.skip("redis-server missing"),
-                    *(host_path(c) for c in command[1:]), "--protected-mode", "no", "--dir", str(tmp_path)]
-        return [sys.executable, str(REPO / "dlrm_cli.py"), *command]  # the image's ENTRYPOINT is `dlrm`
+            return [
+                shutil.which("redis-server") or pytest.skip("redis-server missing"),
+                *(host_path(c) for c in command[1:]),
+                "--protected-mode",
+                "no",
+                "--dir",
+                str(tmp_path),
+            ]
+        # the image's ENTRYPOINT is `dlrm`
+        return [sys.executable, str(REPO / "dlrm_cli.py"), *command]
 
     def env(name: str) -> dict:
         mine = {k: host_path(str(v)) for k, v in (services[name].get("environment") or {}).items()}
         return {**os.environ, **mine, "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": str(REPO)}
 
-    names = ["redis", "embedding-server-0", "embedding-server-1", "trainer-0", "trainer-1", "publish", "api", "client"]
+    names = [
+        "redis",
+        "embedding-server-0",
+        "embedding-server-1",
+        "trainer-0",
+        "trainer-1",
+        "publish",
+        "api",
+        "client",
+    ]
     procs: dict[str, subprocess.Popen] = {}
     logs = {n: open(tmp_path / f"{n}.log", "w") for n in names}
     with netns.Hosts(len(names), net=78, hostnames=names) as hosts:
+
         def start(name: str) -> None:
             i = names.index(name)
-            procs[name] = subprocess.Popen(hosts.command(i, argv(name)), cwd=REPO, env=env(name),
-                                           stdout=logs[name], stderr=subprocess.STDOUT)
+            procs[name] = subprocess.Popen(
+                hosts.command(i, argv(name)),
+                cwd=REPO,
+                env=env(name),
+                stdout=logs[name],
+                stderr=subprocess.STDOUT,
+            )
 
         def log_of(name: str) -> str:
             logs[name].flush()
@@ -96,16 +139,33 @@ def test_compose_cluster_in_network_namespaces(synth_small, tmp_path):
 
         try:
             # Deliberately out of order: servers and the API before the master trainer and Redis.
-            for name in ["embedding-server-1", "api", "embedding-server-0", "publish", "trainer-1", "redis", "trainer-0"]:
+            for name in [
+                "embedding-server-1",
+                "api",
+                "embedding-server-0",
+                "publish",
+                "trainer-1",
+                "redis",
+                "trainer-0",
+            ]:
                 start(name)
                 time.sleep(0.3)
-            for name in ["trainer-0", "trainer-1", "embedding-server-0", "embedding-server-1", "publish"]:
+            for name in [
+                "trainer-0",
+                "trainer-1",
+                "embedding-server-0",
+                "embedding-server-1",
+                "publish",
+            ]:
                 assert procs[name].wait(timeout=300) == 0, f"{name} failed:\n{log_of(name)}"
-            assert "waiting for the master" in log_of("embedding-server-1")  # it started first and waited
+            # it started first and waited
+            assert "waiting for the master" in log_of("embedding-server-1")
             key = (tmp_path / "secrets" / "api-keys").read_text().split()[0]
             reader_pw = (tmp_path / "secrets" / "api-store-password").read_text().split()[0]
-            client = hosts.command(names.index("client"), [sys.executable, "-c", CLIENT, str(synth_small / "test.txt"),
-                                                           key, reader_pw])
+            client = hosts.command(
+                names.index("client"),
+                [sys.executable, "-c", CLIENT, str(synth_small / "test.txt"), key, reader_pw],
+            )
             r = subprocess.run(client, capture_output=True, text=True, timeout=120)
             assert r.returncode == 0, r.stdout + r.stderr + "\napi log:\n" + log_of("api")
             print(r.stdout)

@@ -10,7 +10,14 @@ def test_defaults_and_field_docs():
     cfg = Config()
     assert cfg.embedding.optimizer.kind == "rowwise_adagrad"
     # Every field of every section carries a docstring.
-    for section in [cfg.data, cfg.embedding, cfg.model, cfg.optim, cfg.train, cfg.embedding.optimizer]:
+    for section in [
+        cfg.data,
+        cfg.embedding,
+        cfg.model,
+        cfg.optim,
+        cfg.train,
+        cfg.embedding.optimizer,
+    ]:
         for name, field in type(section).model_fields.items():
             assert field.description, f"{type(section).__name__}.{name} has no docstring"
 
@@ -28,14 +35,20 @@ def test_precedence_cli_over_file_over_defaults(tmp_path):
 def test_unknown_key_names_it_and_suggests(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text("[train]\nepoch = 3\n")
-    with pytest.raises(ConfigError, match=r"c.toml: train.epoch: unknown setting \(did you mean 'epochs'\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"c.toml: train.epoch: unknown setting \(did you mean 'epochs'\?\)"
+    ):
         load_config(toml)
 
 
 def test_bad_value_names_field(tmp_path):
-    with pytest.raises(ConfigError, match=r"command line: model.interaction: .*'dot' or 'dcn'.*got 'dcnn'"):
+    with pytest.raises(
+        ConfigError, match=r"command line: model.interaction: .*'dot' or 'dcn'.*got 'dcnn'"
+    ):
         load_config(None, [parse_override("model.interaction=dcnn")])
-    with pytest.raises(ConfigError, match=r"train.batch_size: Input should be greater than or equal to 1"):
+    with pytest.raises(
+        ConfigError, match=r"train.batch_size: Input should be greater than or equal to 1"
+    ):
         load_config(None, [{"train": {"batch_size": 0}}])
 
 
@@ -51,7 +64,9 @@ def test_file_errors(tmp_path):
 def test_override_parsing():
     assert parse_override("optim.lr=0.002") == {"optim": {"lr": 0.002}}
     assert parse_override("model.interaction=dcn") == {"model": {"interaction": "dcn"}}
-    assert parse_override("model.over_arch_layer_sizes=[8, 4]") == {"model": {"over_arch_layer_sizes": [8, 4]}}
+    assert parse_override("model.over_arch_layer_sizes=[8, 4]") == {
+        "model": {"over_arch_layer_sizes": [8, 4]}
+    }
     with pytest.raises(ConfigError):
         parse_override("nonsense")
 
@@ -62,7 +77,9 @@ def test_shipped_configs_load_and_kaggle_tables():
     kaggle = load_config(REPO / "configs" / "criteo-kaggle.toml").feature_spec()
     rows = [t.rows for t in kaggle.tables]
     assert max(rows) == 10_000_000 and rows[0] == 1460 and len(rows) == 26
-    capped = load_config(REPO / "configs" / "criteo-kaggle.toml", [{"embedding": {"hash_size": 1000}}])
+    capped = load_config(
+        REPO / "configs" / "criteo-kaggle.toml", [{"embedding": {"hash_size": 1000}}]
+    )
     assert max(t.rows for t in capped.feature_spec().tables) == 1000
     with pytest.raises(ConfigError, match="unknown table 'C99'"):
         load_config(None, [{"embedding": {"tables": [{"name": "C99", "rows": 5}]}}]).feature_spec()

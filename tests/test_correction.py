@@ -1,4 +1,5 @@
-"""Corrected early lookups (``embedding_server/runtime/correction.py``): a lookup run before an update,
+"""Corrected early lookups (``embedding_server/runtime/correction.py``): a lookup run before an
+update,
 patched with the bags that update changed, equals the lookup run after it, bit for bit."""
 
 import pytest
@@ -31,14 +32,18 @@ def test_changed_bags_marks_bags_holding_a_touched_row():
 
 
 def test_row_marks_keep_the_last_lookup_only_and_separate_pieces():
-    tables = [LocalTable(TableSpec(name=f"T{i}", rows=r, dim=d), i) for i, (r, d) in enumerate(zip(ROWS, DIMS,
-                                                                                                   strict=True))]
+    tables = [
+        LocalTable(TableSpec(name=f"T{i}", rows=r, dim=d), i)
+        for i, (r, d) in enumerate(zip(ROWS, DIMS, strict=True))
+    ]
     marks = RowMarks(EmbeddingShard(tables, SparseOptimizerConfig(), feature_map=FEATURE_MAP))
-    lengths = torch.tensor([[1], [1], [1], [1]])  # 4 slots, one bag each; slots 1 and 2 read table 1
+    # 4 slots, one bag each; slots 1 and 2 read table 1
+    lengths = torch.tensor([[1], [1], [1], [1]])
     first = marks.keys_of(torch.tensor([3, 7, 8, 2]), lengths)
     assert not marks.hits(first).any()  # nothing marked yet
     marks.remember(first)
-    # row 3 of table 0 and row 8 of table 1 (read by slot 1 now) were trained; row 4 of table 2 was not
+    # row 3 of table 0 and row 8 of table 1 (read by slot 1 now) were trained; row 4 of table 2 was
+    # not
     second = marks.keys_of(torch.tensor([3, 8, 5, 4]), lengths)
     assert marks.hits(second).tolist() == [True, True, False, False]
     marks.remember(second)
@@ -47,8 +52,28 @@ def test_row_marks_keep_the_last_lookup_only_and_separate_pieces():
 
 def test_patch_reads_mask_then_vectors_per_slot():
     block = torch.zeros(3, 6)  # B = 3, slots of dims 2 and 4
-    message = torch.tensor([0, 1, 0, 7, 8,  # slot 0: bag 1 -> [7, 8]
-                            1, 0, 1, 1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.float32)  # slot 1: bags 0, 2
+    message = torch.tensor(
+        [
+            0,
+            1,
+            0,
+            7,
+            8,  # slot 0: bag 1 -> [7, 8]
+            # slot 1: bags 0, 2
+            1,
+            0,
+            1,
+            1,
+            2,
+            3,
+            4,
+            5,
+            6,
+            7,
+            8,
+        ],
+        dtype=torch.float32,
+    )
     assert patch(block, message, [2, 4]) == message.numel() <= message_capacity(3, [2, 4])
     assert block.tolist() == [[0, 0, 1, 2, 3, 4], [7, 8, 0, 0, 0, 0], [0, 0, 5, 6, 7, 8]]
 
@@ -57,8 +82,10 @@ def batch(seed: int, b: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per feature (values, lengths [b]) of a multi-hot batch with hot rows (so bags repeat)."""
     g = torch.Generator().manual_seed(seed)
     lengths = [torch.randint(0, 4, (b,), generator=g) for _ in FEATURE_MAP]
-    values = [torch.randint(0, min(ROWS[t], 30), (int(n.sum()),), generator=g)
-              for t, n in zip(FEATURE_MAP, lengths, strict=True)]
+    values = [
+        torch.randint(0, min(ROWS[t], 30), (int(n.sum()),), generator=g)
+        for t, n in zip(FEATURE_MAP, lengths, strict=True)
+    ]
     return values, lengths
 
 
@@ -69,9 +96,13 @@ def sparse(values, lengths) -> SparseFeatures:
 @pytest.mark.parametrize("pooling", ["sum", "mean"])
 def test_early_lookup_patched_equals_lookup_after_the_update(pooling):
     def shard():
-        tables = [LocalTable(TableSpec(name=f"T{i}", rows=r, dim=d, pooling=pooling), i)
-                  for i, (r, d) in enumerate(zip(ROWS, DIMS, strict=True))]
-        return EmbeddingShard(tables, SparseOptimizerConfig(lr=0.5), seed=3, init_scale=0.5, feature_map=FEATURE_MAP)
+        tables = [
+            LocalTable(TableSpec(name=f"T{i}", rows=r, dim=d, pooling=pooling), i)
+            for i, (r, d) in enumerate(zip(ROWS, DIMS, strict=True))
+        ]
+        return EmbeddingShard(
+            tables, SparseOptimizerConfig(lr=0.5), seed=3, init_scale=0.5, feature_map=FEATURE_MAP
+        )
 
     lockstep, early = shard(), shard()
     assert applies(early)
@@ -95,8 +126,11 @@ def test_early_lookup_patched_equals_lookup_after_the_update(pooling):
     fresh = relookup(early, values, lengths, masks)
     batches = [40, 24]  # two trainers' examples
     got = []
-    for part, msg in zip(torch.split(stale, batches), correction_messages(masks, fresh, batches, dims,
-                                                                          torch.float32), strict=True):
+    for part, msg in zip(
+        torch.split(stale, batches),
+        correction_messages(masks, fresh, batches, dims, torch.float32),
+        strict=True,
+    ):
         block = part.clone()
         patch(block, msg, dims)
         got.append(block)

@@ -1,4 +1,5 @@
-"""Bad input on your own data ends `dlrm train` with one line naming file, line or column (exit 2)."""
+"""Bad input on your own data ends `dlrm train` with one line naming file, line or column (exit
+2)."""
 
 import subprocess
 import sys
@@ -40,8 +41,26 @@ def train(tmp_path, schema=SCHEMA, data=HEADER + ROWS, name="d.csv", extra=()):
     path = tmp_path / name
     if isinstance(data, str):
         path.write_text(data)
-    return path, subprocess.run([*DLRM, "train", "--config", cfg, "--train", path, "--test", path, "--out", tmp_path / "o",
-                                 "--no-progress", *extra], capture_output=True, text=True, timeout=120, cwd=REPO)
+    return path, subprocess.run(
+        [
+            *DLRM,
+            "train",
+            "--config",
+            cfg,
+            "--train",
+            path,
+            "--test",
+            path,
+            "--out",
+            tmp_path / "o",
+            "--no-progress",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
 
 
 def one_line_error(proc, *fragments):
@@ -68,8 +87,12 @@ def test_a_header_without_a_configured_column(tmp_path):
 
 
 def test_a_label_that_is_not_0_or_1(tmp_path):
-    path, proc = train(tmp_path, SCHEMA.replace('label = "click"', 'label = "price"').replace(
-        'name = "price"\nkind = "dense"', 'name = "p"\ncolumn = "click"\nkind = "dense"'))
+    path, proc = train(
+        tmp_path,
+        SCHEMA.replace('label = "click"', 'label = "price"').replace(
+            'name = "price"\nkind = "dense"', 'name = "p"\ncolumn = "click"\nkind = "dense"'
+        ),
+    )
     one_line_error(proc, f"{path}:3", "label is not 0 or 1")
 
 
@@ -80,7 +103,22 @@ def test_a_schema_typo_gets_did_you_mean(tmp_path):
 
 def test_a_parquet_column_of_the_wrong_type(tmp_path):
     path = tmp_path / "d.parquet"
-    pq.write_table(pa.table({"id": list(range(40)), "user": [0.5] * 40, "click": [i % 2 for i in range(40)],
-                             "price": [1.0] * 40, "tags": [["a"]] * 40}), path)
-    _, proc = train(tmp_path, SCHEMA.replace('format = "csv"', 'format = "parquet"'), data=None, name="d.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "id": list(range(40)),
+                "user": [0.5] * 40,
+                "click": [i % 2 for i in range(40)],
+                "price": [1.0] * 40,
+                "tags": [["a"]] * 40,
+            }
+        ),
+        path,
+    )
+    _, proc = train(
+        tmp_path,
+        SCHEMA.replace('format = "csv"', 'format = "parquet"'),
+        data=None,
+        name="d.parquet",
+    )
     one_line_error(proc, str(path), "column 'user'", "categorical feature 'user'")

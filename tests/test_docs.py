@@ -11,8 +11,13 @@ LINK = re.compile(r"(?<!!)\[[^\]]+\]\(([^)\s]+)\)")
 
 
 def test_the_site_builds_strictly(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "site" / "results" / "index.html").exists()
 

@@ -39,17 +39,30 @@ def files(d):
 def admitted(shard) -> dict[str, dict[int, torch.Tensor]]:
     """Per dynamic table: id -> its row's weights."""
     weights = shard.table_weights()
-    return {name: {int(i): weights[name][r] for i, r in zip(*pair, strict=True)}
-            for name, pair in shard.id_maps.id_rows().items()}
+    return {
+        name: {int(i): weights[name][r] for i, r in zip(*pair, strict=True)}
+        for name, pair in shard.id_maps.id_rows().items()
+    }
 
 
 def test_two_servers_two_trainers_match_one_process_with_dynamic_ids(synth_small, tmp_path):
-    over = {"train": {"log_step_losses": True, "max_steps": 40, "batch_size": 256, "checkpoint_every_steps": 40},
-            "embedding": DYNAMIC}
-    single = Trainer(tiny_config(**over, data={"block_bytes": 1 << 16, "interleave": 2}),
-                     tmp_path / "single").fit(*files(synth_small))
-    cfg = tiny_config(**over, data={"block_bytes": 1 << 16},
-                      dist={"embedding_servers": 2, "trainers": 2, "sharding": "table_wise"})
+    over = {
+        "train": {
+            "log_step_losses": True,
+            "max_steps": 40,
+            "batch_size": 256,
+            "checkpoint_every_steps": 40,
+        },
+        "embedding": DYNAMIC,
+    }
+    single = Trainer(
+        tiny_config(**over, data={"block_bytes": 1 << 16, "interleave": 2}), tmp_path / "single"
+    ).fit(*files(synth_small))
+    cfg = tiny_config(
+        **over,
+        data={"block_bytes": 1 << 16},
+        dist={"embedding_servers": 2, "trainers": 2, "sharding": "table_wise"},
+    )
     distributed = launch_local(cfg, *files(synth_small), tmp_path / "dist", resume=False)
     a, b = np.array(single["step_losses"]), np.array(distributed["step_losses"])
     assert len(a) == len(b) == 40
@@ -65,15 +78,20 @@ def test_two_servers_two_trainers_match_one_process_with_dynamic_ids(synth_small
     before = {}
     plan2 = plan_sharding(spec, 2, "rowwise_adagrad", "table_wise")
     for s in range(2):
-        shard = EmbeddingShard([p.local_table(spec.tables[p.table_index]) for p in plan2.pieces_on(s)],
-                               SparseOptimizerConfig())
+        shard = EmbeddingShard(
+            [p.local_table(spec.tables[p.table_index]) for p in plan2.pieces_on(s)],
+            SparseOptimizerConfig(),
+        )
         ckpt.load_into(shard)
         before.update(admitted(shard))
     after = {}
     plan3 = plan_sharding(spec, 3, "rowwise_adagrad", "table_wise")
     for s in range(3):
-        shard = EmbeddingShard([p.local_table(spec.tables[p.table_index]) for p in plan3.pieces_on(s)],
-                               SparseOptimizerConfig(), seed=99)
+        shard = EmbeddingShard(
+            [p.local_table(spec.tables[p.table_index]) for p in plan3.pieces_on(s)],
+            SparseOptimizerConfig(),
+            seed=99,
+        )
         ckpt.load_into(shard)
         after.update(admitted(shard))
     assert set(after) == set(before) and len(after) == 26
@@ -84,22 +102,36 @@ def test_two_servers_two_trainers_match_one_process_with_dynamic_ids(synth_small
 
 
 def split_shards(spec, plan) -> list[EmbeddingShard]:
-    return [EmbeddingShard([p.local_table(spec.tables[p.table_index]) for p in plan.pieces_on(s)],
-                           SparseOptimizerConfig()) for s in range(plan.num_servers)]
+    return [
+        EmbeddingShard(
+            [p.local_table(spec.tables[p.table_index]) for p in plan.pieces_on(s)],
+            SparseOptimizerConfig(),
+        )
+        for s in range(plan.num_servers)
+    ]
 
 
 def split_config(dist: dict | None = None, **train):
-    return tiny_config(train={"max_steps": 40, "batch_size": 256, "checkpoint_every_steps": 40, **train},
-                       embedding=DYNAMIC, data={"block_bytes": 1 << 16},
-                       dist={"embedding_servers": 2, "trainers": 1, "sharding": "row_wise", **(dist or {})})
+    return tiny_config(
+        train={"max_steps": 40, "batch_size": 256, "checkpoint_every_steps": 40, **train},
+        embedding=DYNAMIC,
+        data={"block_bytes": 1 << 16},
+        dist={"embedding_servers": 2, "trainers": 1, "sharding": "row_wise", **(dist or {})},
+    )
 
 
 @pytest.fixture(scope="module")
 def split_run(synth_small, tmp_path_factory):
-    """Dynamic tables split by rows over 2 servers: a 40-step run, and one stopped at 20 and resumed."""
+    """Dynamic tables split by rows over 2 servers: a 40-step run, and one stopped at 20 and
+    resumed."""
     out = tmp_path_factory.mktemp("split")
     full = launch_local(split_config(), *files(synth_small), out / "full", resume=False)
-    launch_local(split_config(max_steps=20, checkpoint_every_steps=20), *files(synth_small), out / "part", resume=False)
+    launch_local(
+        split_config(max_steps=20, checkpoint_every_steps=20),
+        *files(synth_small),
+        out / "part",
+        resume=False,
+    )
     resumed = launch_local(split_config(), *files(synth_small), out / "part", resume=True)
     return out, full, resumed
 
@@ -116,14 +148,22 @@ def test_dynamic_tables_split_by_rows_route_ids_by_hash_and_resume_exactly(split
         ckpt.load_into(shard)
         for name, (ids, rows) in shard.id_maps.id_rows().items():
             table = spec.tables[[t.name for t in spec.tables].index(name)]
-            assert torch.equal(PieceLayout.of(table.rows, table.dynamic, 2).piece_of(ids), torch.full_like(ids, s))
+            assert torch.equal(
+                PieceLayout.of(table.rows, table.dynamic, 2).piece_of(ids), torch.full_like(ids, s)
+            )
             assert rows.numel() == 0 or int(rows.max()) < 200
         for name, stats in shard.id_stats().items():
             used[name] = used.get(name, 0) + stats["rows_used"]
     assert used == run["embedding_rows_used"] and max(used.values()) == 400
     assert sum(run["embedding_ids_evicted"].values()) > 0
     # A run stopped and resumed (each server restoring its pieces' maps) is the uninterrupted one.
-    for key in ("test_auc", "test_logloss", "embedding_rows_used", "embedding_ids_admitted", "embedding_ids_evicted"):
+    for key in (
+        "test_auc",
+        "test_logloss",
+        "embedding_rows_used",
+        "embedding_ids_admitted",
+        "embedding_ids_evicted",
+    ):
         assert resumed[key] == run[key], key
     again = CheckpointTables(latest_checkpoint(out / "part" / "checkpoints"))
     for name in ("C1", "C13", "C26"):
@@ -145,7 +185,8 @@ def test_dynamic_tables_split_by_rows_route_ids_by_hash_and_resume_exactly(split
         for shard in split_shards(spec, plan_sharding(spec, n, "rowwise_adagrad", "row_wise")):
             shard.reset_parameters(99)  # nothing kept from a fresh shard's own start
             ckpt.load_into(shard)
-            for i, local in enumerate(shard.local_tables):  # a delta over this checkpoint rewrites them
+            # a delta over this checkpoint rewrites them
+            for i, local in enumerate(shard.local_tables):
                 assert shard.touched.since(i, ckpt.last_step).numel() == local.spec.rows
             for name, rows in admitted(shard).items():
                 after.setdefault(name, {}).update(rows)
@@ -153,10 +194,13 @@ def test_dynamic_tables_split_by_rows_route_ids_by_hash_and_resume_exactly(split
                 for name, w in shard.table_weights().items():
                     assert all(torch.equal(w[j], shared[(name, j)]) for j in range(40)), name
         for name, ids in before.items():
-            assert after[name].keys() <= ids.keys() and len(after[name]) >= (0.9 if n == 3 else 1.0) * len(ids)
+            assert after[name].keys() <= ids.keys() and len(after[name]) >= (
+                0.9 if n == 3 else 1.0
+            ) * len(ids)
             for i, row in after[name].items():
                 assert torch.equal(row, ids[i]), (n, name, i)
-    with pytest.raises(CheckpointError, match="no piece of rows 0..134"):  # only load_into moves ids
+    # only load_into moves ids
+    with pytest.raises(CheckpointError, match="no piece of rows 0..134"):
         ckpt.id_map("C1", 0, 134)
 
 
@@ -167,7 +211,11 @@ def test_a_split_dynamic_run_resumes_on_three_servers(split_run, synth_small):
     shutil.copytree(out / "full" / "checkpoints", out / "three" / "checkpoints")
     cfg = split_config(dist={"embedding_servers": 3}, max_steps=60, checkpoint_every_steps=10)
     run = launch_local(cfg, *files(synth_small), out / "three", resume=True)
-    assert run["steps"] == 60 and run["test_auc"] > 0.6 and max(run["embedding_rows_used"].values()) <= 400
+    assert (
+        run["steps"] == 60
+        and run["test_auc"] > 0.6
+        and max(run["embedding_rows_used"].values()) <= 400
+    )
     spec = cfg.feature_spec()
     ckpt = CheckpointTables(latest_checkpoint(out / "three" / "checkpoints"))
     assert ckpt.row_pieces("C1") == [(0, 134), (134, 134), (268, 132)]
@@ -183,10 +231,15 @@ def test_a_split_dynamic_run_resumes_on_three_servers(split_run, synth_small):
 
 
 @pytest.mark.parametrize("backend", ["file", "redis"])
-def test_dynamic_tables_split_by_rows_serve_what_the_run_evaluated(split_run, synth_small, tmp_path, backend, request):
+def test_dynamic_tables_split_by_rows_serve_what_the_run_evaluated(
+    split_run, synth_small, tmp_path, backend, request
+):
     out, run, _ = split_run
-    url = (f"{request.getfixturevalue('redis_server').url}?prefix=split{backend}" if backend == "redis"
-           else f"file://{tmp_path / 'store'}")
+    url = (
+        f"{request.getfixturevalue('redis_server').url}?prefix=split{backend}"
+        if backend == "redis"
+        else f"file://{tmp_path / 'store'}"
+    )
     store = open_store(url)
     meta = publish_checkpoint(out / "full", store, version="v1")
     assert meta.id_pieces == {t.name: 2 for t in split_config().feature_spec().tables}
@@ -195,15 +248,22 @@ def test_dynamic_tables_split_by_rows_serve_what_the_run_evaluated(split_run, sy
     predictions = []
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.1))) as client:
         for part in (lines[:2500], lines[2500:]):
-            r = client.post("/v1/models/dlrm:predict_tsv", content=b"".join(part), headers={"content-type": "text/plain"})
+            r = client.post(
+                "/v1/models/dlrm:predict_tsv",
+                content=b"".join(part),
+                headers={"content-type": "text/plain"},
+            )
             assert r.status_code == 200, r.text
             predictions += r.json()["predictions"]
-    # Ids without a row read their shared row where the run's servers put it (P = 1's rule: 2.5e-4 off).
+    # Ids without a row read their shared row where the run's servers put it (P = 1's rule: 2.5e-4
+    # off).
     p = np.clip(np.array(predictions, dtype=np.float64), 1e-7, 1 - 1e-7)
     served = -np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p))
     assert abs(served - run["test_logloss"]) < 2e-5, (served, run["test_logloss"])
     # ... and what one process computes from the checkpoint (its ids moved onto whole tables).
     trainer = Trainer(split_config(dist={"embedding_servers": 0}), tmp_path / "offline")
     trainer.load_checkpoint(latest_checkpoint(out / "full" / "checkpoints"))
-    logits = [trainer.predict(b) for b in BatchLoader([synth_small / "test.txt"], trainer.spec, 4096)]
+    logits = [
+        trainer.predict(b) for b in BatchLoader([synth_small / "test.txt"], trainer.spec, 4096)
+    ]
     np.testing.assert_allclose(predictions, torch.sigmoid(torch.cat(logits)).numpy(), atol=1e-5)

@@ -1,5 +1,6 @@
 """Dynamic ids end to end: config, featurising (raw ids), the shard's remapping around the fused
-kernel (training admits, evaluation reads, reused rows reset), training, metrics and exact resume."""
+kernel (training admits, evaluation reads, reused rows reset), training, metrics and exact
+resume."""
 
 import json
 
@@ -22,10 +23,18 @@ from .conftest import tiny_config
 
 
 def test_config_switches_every_table_and_overrides_per_table():
-    spec = tiny_config(embedding={"ids": "dynamic", "admit_after": 3, "hash_size": 500,
-                                  "tables": [{"name": "C2", "ids": "hashed"}, {"name": "C3", "evict": "lfu"}]}).feature_spec()
+    spec = tiny_config(
+        embedding={
+            "ids": "dynamic",
+            "admit_after": 3,
+            "hash_size": 500,
+            "tables": [{"name": "C2", "ids": "hashed"}, {"name": "C3", "evict": "lfu"}],
+        }
+    ).feature_spec()
     by_name = {t.name: t for t in spec.tables}
-    assert by_name["C1"].dynamic == DynamicIds(admit_after=3, evict="lru", shared_rows=0.1, start_from_shared=True)
+    assert by_name["C1"].dynamic == DynamicIds(
+        admit_after=3, evict="lru", shared_rows=0.1, start_from_shared=True
+    )
     assert by_name["C2"].dynamic is None and by_name["C2"].ids == "hashed"
     assert by_name["C3"].dynamic.evict == "lfu" and by_name["C3"].rows == 500  # capacity = rows
     assert all(t.dynamic is None for t in tiny_config().feature_spec().tables)  # default: hashed
@@ -63,8 +72,14 @@ def test_training_lookup_admits_and_the_fused_update_reaches_the_row():
     assert torch.allclose(out.detach(), fresh)  # new ids start from their id-seeded rows
     with torch.no_grad():  # evaluation: reads, admits nothing, unknown ids read row 0
         again = shard(SparseFeatures.one_hot(torch.tensor([[2**62 + 5, 99]])))
-    assert torch.equal(again[1], after[0]) and torch.equal(again[0], after[2])  # -7: row 1, 2**62 + 5: row 2
-    assert shard.id_stats()["t"] == {"rows_used": 3, "admitted": 2, "evicted": 0, "default_lookups": 0}
+    # -7: row 1, 2**62 + 5: row 2
+    assert torch.equal(again[1], after[0]) and torch.equal(again[0], after[2])
+    assert shard.id_stats()["t"] == {
+        "rows_used": 3,
+        "admitted": 2,
+        "evicted": 0,
+        "default_lookups": 0,
+    }
 
 
 def test_a_reused_row_gets_fresh_weights_and_optimizer_state():
@@ -86,12 +101,15 @@ def test_a_reused_row_gets_fresh_weights_and_optimizer_state():
 
 
 def test_an_admitted_id_starts_from_its_shared_row_and_unseen_ids_read_theirs():
-    shard = dynamic_shard(rows=40, admit_after=2, shared_rows=0.25, start_from_shared=True)  # S = 10
+    # S = 10
+    shard = dynamic_shard(rows=40, admit_after=2, shared_rows=0.25, start_from_shared=True)
     ids = torch.tensor([[2**40 + 3, 2**40 + 3, 77]])  # [F=1, B=3]: the first seen twice
     shared = shared_rows_of(ids[0], 10)
     before = shard.table_weights()["t"].clone()
     out = shard(SparseFeatures.one_hot(ids))
-    assert torch.equal(out.detach()[0], before[shared[0]]) and torch.equal(out.detach()[2], before[shared[2]])
+    assert torch.equal(out.detach()[0], before[shared[0]]) and torch.equal(
+        out.detach()[2], before[shared[2]]
+    )
     assert shard.id_stats()["t"]["rows_used"] == 11  # 10 shared + the admitted id
     with torch.no_grad():  # evaluation: an unseen id reads its own shared row
         unseen = torch.tensor([[5, 6, 2**50]])
@@ -104,15 +122,23 @@ def test_dynamic_run_reports_rows_and_resumes_exactly(synth_small, tmp_path):
     from .test_train import state_of
 
     files = ([synth_small / "train.txt"], [synth_small / "test.txt"])
-    over = {"train": {"epochs": 2, "batch_size": 1024, "checkpoint_every_steps": 7},
-            "embedding": {"ids": "dynamic", "hash_size": 300, "admit_after": 2,
-                          "tables": [{"name": "C3", "evict": "lfu"}, {"name": "C4", "ids": "hashed"}]}}
+    over = {
+        "train": {"epochs": 2, "batch_size": 1024, "checkpoint_every_steps": 7},
+        "embedding": {
+            "ids": "dynamic",
+            "hash_size": 300,
+            "admit_after": 2,
+            "tables": [{"name": "C3", "evict": "lfu"}, {"name": "C4", "ids": "hashed"}],
+        },
+    }
     losses_a: list[float] = []
     a = Trainer(tiny_config(**over), tmp_path / "a")
     metrics_a = a.fit(*files, on_step=lambda step, loss: losses_a.append(loss))
     stop = {**over, "train": {**over["train"], "max_steps": 25}}
     losses_b: list[float] = []
-    Trainer(tiny_config(**stop), tmp_path / "b").fit(*files, on_step=lambda step, loss: losses_b.append(loss))
+    Trainer(tiny_config(**stop), tmp_path / "b").fit(
+        *files, on_step=lambda step, loss: losses_b.append(loss)
+    )
     b2 = Trainer(tiny_config(**over), tmp_path / "b")
     metrics_b = b2.fit(*files, resume=True, on_step=lambda step, loss: losses_b.append(loss))
     assert losses_b == losses_a
@@ -134,12 +160,18 @@ def test_specs_before_shared_rows_keep_one_default_row_and_configs_get_shared_ro
     old = TableSpec(name="t", rows=100, dim=4, dynamic=DynamicIds()).model_dump(mode="json")
     del old["dynamic"]["shared_rows"], old["dynamic"]["start_from_shared"]
     table = TableSpec.model_validate_json(json.dumps(old))
-    assert table.dynamic.shared_rows == 0 and not table.dynamic.start_from_shared and table.shared_row_count == 1
+    assert (
+        table.dynamic.shared_rows == 0
+        and not table.dynamic.start_from_shared
+        and table.shared_row_count == 1
+    )
     spec = tiny_config(embedding={"ids": "dynamic"}).feature_spec()
     assert all(t.dynamic.shared_rows == 0.1 and t.dynamic.start_from_shared for t in spec.tables)
 
 
-def test_remapping_the_next_batch_ahead_equals_remapping_at_its_lookup(synth_small, tmp_path, monkeypatch):
+def test_remapping_the_next_batch_ahead_equals_remapping_at_its_lookup(
+    synth_small, tmp_path, monkeypatch
+):
     """One process, pipeline exact: the maps remap batch i+1 while batch i computes, its fresh
     rows reset at its lookup; losses, tables, optimizer state and maps equal those of lockstep
     (pipeline off), bit for bit, with every policy and both ways of starting a fresh row."""
@@ -149,20 +181,41 @@ def test_remapping_the_next_batch_ahead_equals_remapping_at_its_lookup(synth_sma
 
     started = []
     init = ahead.RemapAhead.__init__
-    monkeypatch.setattr(ahead.RemapAhead, "__init__", lambda self, *a: (started.append(1), init(self, *a))[1])
-    monkeypatch.setattr("dense_trainer.train.overlaps", lambda device: True)  # whatever cores this machine has
+    monkeypatch.setattr(
+        ahead.RemapAhead, "__init__", lambda self, *a: (started.append(1), init(self, *a))[1]
+    )
+    # whatever cores this machine has
+    monkeypatch.setattr("dense_trainer.train.overlaps", lambda device: True)
     files = ([synth_small / "train.txt"], [synth_small / "test.txt"])
-    embedding = {"ids": "dynamic", "hash_size": 300, "admit_after": 2,
-                 "tables": [{"name": "C3", "evict": "lfu"}, {"name": "C5", "evict": "ttl", "ttl_steps": 3},
-                            {"name": "C6", "start_from_shared": False}, {"name": "C4", "ids": "hashed"}]}
+    embedding = {
+        "ids": "dynamic",
+        "hash_size": 300,
+        "admit_after": 2,
+        "tables": [
+            {"name": "C3", "evict": "lfu"},
+            {"name": "C5", "evict": "ttl", "ttl_steps": 3},
+            {"name": "C6", "start_from_shared": False},
+            {"name": "C4", "ids": "hashed"},
+        ],
+    }
     runs = {}
     for pipeline in ("off", "exact"):
         losses: list[float] = []
-        cfg = tiny_config(embedding=embedding, train={"batch_size": 256, "max_steps": 60}, dist={"pipeline": pipeline})
+        cfg = tiny_config(
+            embedding=embedding,
+            train={"batch_size": 256, "max_steps": 60},
+            dist={"pipeline": pipeline},
+        )
         trainer = Trainer(cfg, tmp_path / pipeline)
         before = len(started)
         metrics = trainer.fit(*files, on_step=lambda step, loss, losses=losses: losses.append(loss))
-        runs[pipeline] = (losses, state_of(trainer), trainer.client.id_stats(), metrics, len(started) - before)
+        runs[pipeline] = (
+            losses,
+            state_of(trainer),
+            trainer.client.id_stats(),
+            metrics,
+            len(started) - before,
+        )
     (la, sa, ia, ma, none), (lb, sb, ib, mb, ahead_runs) = runs["off"], runs["exact"]
     assert len(la) == 60 and lb == la
     for key in sa:

@@ -29,7 +29,12 @@ from embedding_server.stores import open_store
 
 from .conftest import tiny_config
 
-CHURN = {"ids": "dynamic", "hash_size": 300, "admit_after": 2, "tables": [{"name": "C2", "ids": "hashed"}]}
+CHURN = {
+    "ids": "dynamic",
+    "hash_size": 300,
+    "admit_after": 2,
+    "tables": [{"name": "C2", "ids": "hashed"}],
+}
 """300-row tables against vocabularies of thousands: ids are admitted and evicted all run long."""
 
 
@@ -44,11 +49,20 @@ def test_id_map_view_overlay_and_folding():
     view.apply(IdMapDelta(np.array([20, 40]), np.array([-1, 6]), np.array([6]), np.array([40])))
     np.testing.assert_array_equal(view.lookup(np.array([10, 20, 30, 40, 50])), [5, -1, 7, 6, -1])
     later = IdMapDelta(np.array([20]), np.array([9]), np.array([9]), np.array([20]))
-    merged = IdMapDelta(np.array([20, 40]), np.array([-1, 6]), np.array([6]), np.array([40])).then(later)
+    merged = IdMapDelta(np.array([20, 40]), np.array([-1, 6]), np.array([6]), np.array([40])).then(
+        later
+    )
     np.testing.assert_array_equal(merged.rows, [9, 6])  # the later change wins
     assert IdMapDelta.from_bytes(merged.to_bytes()).ids.tolist() == [20, 40]
     for i in range(2000):  # past compact_at(3) the overlay is folded into the base
-        view.apply(IdMapDelta(np.array([1000 + i]), np.array([i % 300]), np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        view.apply(
+            IdMapDelta(
+                np.array([1000 + i]),
+                np.array([i % 300]),
+                np.zeros(0, np.int64),
+                np.zeros(0, np.int64),
+            )
+        )
     assert view.overlay_entries < 2000
     ids, rows = view.items()
     assert len(ids) == 3 + 2000 and rows[np.searchsorted(ids, 40)] == 6
@@ -60,7 +74,10 @@ def test_a_reused_slot_never_serves_the_old_id(backend, synth_small, tmp_path, r
     read the push yet still maps X to s: X must get its own row or its shared row, never Y's;
     once the replica follows the push, X reads its shared row and Y the new row."""
     url = store_url(backend, tmp_path, request)
-    trainer = Trainer(tiny_config(embedding={"ids": "dynamic", "hash_size": 500, "admit_after": 1}), tmp_path / "run")
+    trainer = Trainer(
+        tiny_config(embedding={"ids": "dynamic", "hash_size": 500, "admit_after": 1}),
+        tmp_path / "run",
+    )
     for batch in BatchLoader([synth_small / "train.txt"], trainer.spec, 256, max_rows=256 * 4):
         trainer.train_step(batch)
     store = open_store(url)
@@ -91,8 +108,12 @@ def test_a_reused_slot_never_serves_the_old_id(backend, synth_small, tmp_path, r
     x_row = stored(s)
     np.testing.assert_array_equal(embedding(x), x_row)  # (now cached on Redis, tagged with x)
     y_row = np.full(table.dim, 7.5, dtype=np.float32)
-    delta = IdMapDelta(np.array(sorted([x, y])), np.where(np.array(sorted([x, y])) == x, -1, s),
-                       np.array([s]), np.array([y]))
+    delta = IdMapDelta(
+        np.array(sorted([x, y])),
+        np.where(np.array(sorted([x, y])) == x, -1, s),
+        np.array([s]),
+        np.array([y]),
+    )
     store.update_rows(version, {"C1": (np.array([s]), y_row[None])}, id_maps={"C1": delta})
     np.testing.assert_array_equal(stored(s), y_row)
     assert store.read_owners(version, "C1", np.array([s])).tolist() == [y]
@@ -111,7 +132,10 @@ def test_a_reused_slot_never_serves_the_old_id(backend, synth_small, tmp_path, r
     np.testing.assert_array_equal(embedding(y), shared(y))  # not in the lagging map yet
 
     service.refresh()  # follows the push: x evicted, y admitted at s
-    assert service.model is model and model.id_maps["C1"].lookup(np.array([x, y])).tolist() == [-1, s]
+    assert service.model is model and model.id_maps["C1"].lookup(np.array([x, y])).tolist() == [
+        -1,
+        s,
+    ]
     np.testing.assert_array_equal(embedding(x), shared(x))
     np.testing.assert_array_equal(embedding(y), y_row)
     reloaded = open_store(url).read_id_map(version, "C1")  # a replica loading now sees the same map
@@ -148,8 +172,11 @@ def served_lines(client, test_file) -> np.ndarray:
     lines = test_file.read_text().splitlines(keepends=True)
     served = []
     for at in range(0, len(lines), 2500):  # requests of at most 4096 lines
-        r = client.post("/v1/models/dlrm:predict_tsv", content="".join(lines[at : at + 2500]),
-                        headers={"content-type": "text/plain"})
+        r = client.post(
+            "/v1/models/dlrm:predict_tsv",
+            content="".join(lines[at : at + 2500]),
+            headers={"content-type": "text/plain"},
+        )
         assert r.status_code == 200, r.text
         served += r.json()["predictions"]
     return np.array(served)
@@ -173,8 +200,10 @@ def served_equals_offline(url: str, client, data, run_dir, cfg) -> None:
         expected = offline_probabilities(cfg, run_dir, data / "test.txt")
     np.testing.assert_allclose(served, expected, atol=1e-5)
     metrics = client.get("/metrics").text
-    assert 'dlrm_model_reloads_total{reason="lost"}' not in metrics or \
-        'dlrm_model_reloads_total{reason="lost"} 0.0' in metrics
+    assert (
+        'dlrm_model_reloads_total{reason="lost"}' not in metrics
+        or 'dlrm_model_reloads_total{reason="lost"} 0.0' in metrics
+    )
     for name, view in model.id_maps.items():  # the followed map is the stored one
         ids, rows = store.read_id_map(model.version, name)
         got_ids, got_rows = view.items()
@@ -187,13 +216,20 @@ def test_live_training_with_churning_ids_serves_the_final_model(synth_small, tmp
     """One process pushing to the file store (the distributed test below pushes to Redis: the two
     runs together cover both stores and both trainers)."""
     url = store_url("file", tmp_path, request)
-    cfg = tiny_config(embedding=CHURN, train={"batch_size": 128},
-                      live={"store": url, "push_every_s": 0.1, "dense_every_s": 0.5})
+    cfg = tiny_config(
+        embedding=CHURN,
+        train={"batch_size": 128},
+        live={"store": url, "push_every_s": 0.1, "dense_every_s": 0.5},
+    )
     trainer = Trainer(cfg, tmp_path / "run")
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.05))) as client:
         trainer.fit([synth_small / "train.txt"], [synth_small / "test.txt"])
         live = json.loads((tmp_path / "run" / "metrics.json").read_text())["live_updates"]
-        assert live["version"] == trainer.live.version and live["failures"] == 0 and live["pushes"] >= 3
+        assert (
+            live["version"] == trainer.live.version
+            and live["failures"] == 0
+            and live["pushes"] >= 3
+        )
         assert live["id_map_changes"] > 0 and live["rows_pushed"] > 0
         assert live["overlay_compactions"] > 0  # overlays were folded into their base meanwhile
         stats = trainer.client.id_stats()
@@ -203,17 +239,28 @@ def test_live_training_with_churning_ids_serves_the_final_model(synth_small, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
-def test_distributed_live_training_with_churning_ids_serves_the_final_model(synth_small, tmp_path, request, sharding):
+def test_distributed_live_training_with_churning_ids_serves_the_final_model(
+    synth_small, tmp_path, request, sharding
+):
     """Two embedding servers pushing to Redis: whole tables, or every table split by rows (each
     server pushing its pieces' map changes in global rows)."""
     from dense_trainer.distributed import launch_local
 
     url = store_url("redis", tmp_path, request)
-    cfg = tiny_config(embedding=CHURN, train={"batch_size": 128},
-                      live={"store": url, "push_every_s": 0.1, "dense_every_s": 0.5},
-                      dist={"embedding_servers": 2, "trainers": 1, "sharding": sharding})
+    cfg = tiny_config(
+        embedding=CHURN,
+        train={"batch_size": 128},
+        live={"store": url, "push_every_s": 0.1, "dense_every_s": 0.5},
+        dist={"embedding_servers": 2, "trainers": 1, "sharding": sharding},
+    )
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.05))) as client:
-        launch_local(cfg, [synth_small / "train.txt"], [synth_small / "test.txt"], tmp_path / "run", resume=False)
+        launch_local(
+            cfg,
+            [synth_small / "train.txt"],
+            [synth_small / "test.txt"],
+            tmp_path / "run",
+            resume=False,
+        )
         written = json.loads((tmp_path / "run" / "metrics.json").read_text())
         assert written["embedding_ids_evicted"]["C1"] > 0  # ids churned while the servers pushed
         live = written["live_updates"]  # the master's dense pushes and both servers' row pushes
@@ -222,14 +269,19 @@ def test_distributed_live_training_with_churning_ids_serves_the_final_model(synt
         served_equals_offline(url, client, synth_small, tmp_path / "run", cfg)
 
 
-def test_a_redis_fold_keeps_a_push_that_raced_it_and_ignores_other_tables(synth_small, tmp_path, request, monkeypatch):
+def test_a_redis_fold_keeps_a_push_that_raced_it_and_ignores_other_tables(
+    synth_small, tmp_path, request, monkeypatch
+):
     """Two writers of one table's map (a table split by rows over servers): a fold of the overlay
     that a push to it overtook is left (the push's entry stays, it wins over the base); a push to
     another table's overlay does not stop it."""
     from embedding_server.stores import redis_idmaps, redis_live
 
     url = store_url("redis", tmp_path, request)
-    trainer = Trainer(tiny_config(embedding={"ids": "dynamic", "hash_size": 500, "admit_after": 1}), tmp_path / "run")
+    trainer = Trainer(
+        tiny_config(embedding={"ids": "dynamic", "hash_size": 500, "admit_after": 1}),
+        tmp_path / "run",
+    )
     for batch in BatchLoader([synth_small / "train.txt"], trainer.spec, 256, max_rows=256 * 2):
         trainer.train_step(batch)
     store = open_store(url)
@@ -237,9 +289,17 @@ def test_a_redis_fold_keeps_a_push_that_raced_it_and_ignores_other_tables(synth_
     ids, rows = store.read_id_map(version, "C1")
     a, s = int(ids[0]), int(rows[0])
 
-    def move(table: str, raw: int, slot: int) -> None:  # raw id -> slot (an existing overlay field rewritten: HLEN unchanged)
-        store.update_rows(version, {}, id_maps={table: IdMapDelta(np.array([raw]), np.array([slot]), np.array([slot]),
-                                                                  np.array([raw]))})
+    # raw id -> slot (an existing overlay field rewritten: HLEN unchanged)
+    def move(table: str, raw: int, slot: int) -> None:
+        store.update_rows(
+            version,
+            {},
+            id_maps={
+                table: IdMapDelta(
+                    np.array([raw]), np.array([slot]), np.array([slot]), np.array([raw])
+                )
+            },
+        )
 
     move("C1", a, s)  # the overlay holds a
     monkeypatch.setattr(redis_idmaps, "compact_at", lambda n: 0)  # fold at the first entry
@@ -254,18 +314,23 @@ def test_a_redis_fold_keeps_a_push_that_raced_it_and_ignores_other_tables(synth_
             pending.pop()()
             outcomes.append(real(**kw))
             return outcomes[-1]
+
         return compact
 
-    monkeypatch.setattr(redis_live, "compact_after_push", lambda *a: None)  # the racing pushes fold nothing
-    store._scripts["COMPACT"] = racing(lambda: move("C1", a, s + 1))  # the other writer, between read and fold
+    # the racing pushes fold nothing
+    monkeypatch.setattr(redis_live, "compact_after_push", lambda *a: None)
+    # the other writer, between read and fold
+    store._scripts["COMPACT"] = racing(lambda: move("C1", a, s + 1))
     redis_idmaps.maybe_compact(store, version, "C1")
     assert outcomes == [0]
     got_ids, got_rows = store.read_id_map(version, "C1")
     assert got_rows[np.searchsorted(got_ids, a)] == s + 1  # the racing push stands
     c3 = store.read_id_map(version, "C3")
-    store._scripts["COMPACT"] = racing(lambda: move("C3", int(c3[0][0]), int(c3[1][0])))  # another table's push
+    # another table's push
+    store._scripts["COMPACT"] = racing(lambda: move("C3", int(c3[0][0]), int(c3[1][0])))
     redis_idmaps.maybe_compact(store, version, "C1")
     assert outcomes == [0, 1]
     got_ids, got_rows = store.read_id_map(version, "C1")
     assert got_rows[np.searchsorted(got_ids, a)] == s + 1
-    assert not store.bulk.hlen(redis_idmaps.overlay_key(store, version, "C1"))  # folded into the base
+    # folded into the base
+    assert not store.bulk.hlen(redis_idmaps.overlay_key(store, version, "C1"))

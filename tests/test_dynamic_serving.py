@@ -23,7 +23,12 @@ from .conftest import tiny_config
 
 pytestmark = pytest.mark.slow
 
-DYNAMIC = {"ids": "dynamic", "hash_size": 500, "admit_after": 2, "tables": [{"name": "C2", "ids": "hashed"}]}
+DYNAMIC = {
+    "ids": "dynamic",
+    "hash_size": 500,
+    "admit_after": 2,
+    "tables": [{"name": "C2", "ids": "hashed"}],
+}
 
 
 def config():
@@ -51,12 +56,15 @@ def offline_probabilities(out_dir, test_file) -> np.ndarray:
 
 
 @pytest.mark.parametrize("backend", ["file", "redis"])
-def test_served_dynamic_model_equals_offline_evaluation(backend, trained_dynamic, criteo_sample, tmp_path, request):
+def test_served_dynamic_model_equals_offline_evaluation(
+    backend, trained_dynamic, criteo_sample, tmp_path, request
+):
     url = store_url(backend, tmp_path, request)
     store = open_store(url)
     publish_checkpoint(trained_dynamic, store, version="v1")
     ids, rows = store.read_id_map("v1", "C1")
-    assert len(ids) > 0 and np.all(np.diff(ids) > 0) and rows.min() >= 50 and rows.max() < 500  # 50 shared (0.1)
+    # 50 shared (0.1)
+    assert len(ids) > 0 and np.all(np.diff(ids) > 0) and rows.min() >= 50 and rows.max() < 500
     saved = CheckpointTables(latest_checkpoint(trained_dynamic / "checkpoints")).id_map("C1")
     assert len(ids) == int((saved["C1.idmap.table.slots"] >= 0).sum())
     with pytest.raises(VersionNotFound):  # a hashed table has no id map
@@ -65,11 +73,17 @@ def test_served_dynamic_model_equals_offline_evaluation(backend, trained_dynamic
     expected = offline_probabilities(trained_dynamic, criteo_sample / "test.txt")
     text = (criteo_sample / "test.txt").read_text()
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.1))) as client:
-        r = client.post("/v1/models/dlrm:predict_tsv", content=text, headers={"content-type": "text/plain"})
+        r = client.post(
+            "/v1/models/dlrm:predict_tsv", content=text, headers={"content-type": "text/plain"}
+        )
         assert r.status_code == 200, r.text
         np.testing.assert_allclose(np.array(r.json()["predictions"]), expected, atol=1e-5)
         metrics = client.get("/metrics").text
-    unknown = [line for line in metrics.splitlines() if line.startswith('dlrm_unknown_ids_total{table="C1"}')]
+    unknown = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith('dlrm_unknown_ids_total{table="C1"}')
+    ]
     assert unknown and float(unknown[0].split()[-1]) > 0  # test ids never admitted: counted
     assert 'dlrm_unknown_ids_total{table="C2"}' not in metrics  # hashed: every row exists
 
@@ -94,8 +108,9 @@ def strip_owners(store, version: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["file", "redis"])
-def test_a_version_published_before_owners_were_stored_serves_the_same(backend, trained_dynamic, criteo_sample,
-                                                                       tmp_path, request):
+def test_a_version_published_before_owners_were_stored_serves_the_same(
+    backend, trained_dynamic, criteo_sample, tmp_path, request
+):
     """Versions of dynamic tables published before rows carried owners (their maps never change)
     load and serve what offline evaluation computes, batched and one instance at a time."""
     url = store_url(backend, tmp_path, request)
@@ -106,10 +121,18 @@ def test_a_version_published_before_owners_were_stored_serves_the_same(backend, 
     expected = offline_probabilities(trained_dynamic, criteo_sample / "test.txt")
     lines = (criteo_sample / "test.txt").read_text().splitlines(keepends=True)
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.1))) as client:
-        r = client.post("/v1/models/dlrm:predict_tsv", content="".join(lines), headers={"content-type": "text/plain"})
+        r = client.post(
+            "/v1/models/dlrm:predict_tsv",
+            content="".join(lines),
+            headers={"content-type": "text/plain"},
+        )
         assert r.status_code == 200, r.text
         np.testing.assert_allclose(np.array(r.json()["predictions"]), expected, atol=1e-5)
         for i in (0, 7, 42):  # single requests: the direct gathers
-            r = client.post("/v1/models/dlrm:predict_tsv", content=lines[i], headers={"content-type": "text/plain"})
+            r = client.post(
+                "/v1/models/dlrm:predict_tsv",
+                content=lines[i],
+                headers={"content-type": "text/plain"},
+            )
             assert r.status_code == 200, r.text
             np.testing.assert_allclose(r.json()["predictions"], expected[i : i + 1], atol=1e-5)

@@ -18,7 +18,12 @@ def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("elastic") / "train.txt"
     with path.open("w") as f:
         for i in range(ROWS):  # I1 = the row's number (log1p on the way in)
-            f.write("\t".join([str(i % 2), str(i), *["1"] * 12, *[f"{i * 7 + j:08x}" for j in range(26)]]) + "\n")
+            f.write(
+                "\t".join(
+                    [str(i % 2), str(i), *["1"] * 12, *[f"{i * 7 + j:08x}" for j in range(26)]]
+                )
+                + "\n"
+            )
     return path
 
 
@@ -26,8 +31,21 @@ def run(path, parts: int, steps: int | None, saved, consumed, epochs: int):
     """Take ``steps`` agreed steps (None: to the end) as ``parts`` trainers would; -> (row numbers
     read, positions, consumed)."""
     starts, consumed = resume_positions(saved, parts, consumed)
-    loaders = [BatchLoader([path], SPEC, 96 // parts, num_workers=0, block_bytes=9_000, epochs=epochs,
-                           start=starts[t], part=t, parts=parts, consumed=consumed) for t in range(parts)]
+    loaders = [
+        BatchLoader(
+            [path],
+            SPEC,
+            96 // parts,
+            num_workers=0,
+            block_bytes=9_000,
+            epochs=epochs,
+            start=starts[t],
+            part=t,
+            parts=parts,
+            consumed=consumed,
+        )
+        for t in range(parts)
+    ]
     it = Steps(loaders, 13, 26, lambda v: v, min(p.epoch for p in starts))
     read, positions, taken = [], saved, 0
     while steps is None or taken < steps:
@@ -40,8 +58,10 @@ def run(path, parts: int, steps: int | None, saved, consumed, epochs: int):
     return read, positions, consumed
 
 
-@pytest.mark.parametrize("plan", [[(2, 7), (3, 5), (2, None)], [(3, 11), (1, 4), (4, 9), (2, None)],
-                                  [(4, 40), (3, None)]])
+@pytest.mark.parametrize(
+    "plan",
+    [[(2, 7), (3, 5), (2, None)], [(3, 11), (1, 4), (4, 9), (2, None)], [(4, 40), (3, None)]],
+)
 def test_every_row_once_across_elastic_restarts(data, plan):
     read, saved, consumed = [], None, None
     for parts, steps in plan:

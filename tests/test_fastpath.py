@@ -33,14 +33,19 @@ def lines(criteo_sample):
 
 def instance(line: str) -> dict:
     f = line.split("\t")
-    return {"dense": [int(x) if x else None for x in f[1:14]], "sparse": [x or None for x in f[14:40]]}
+    return {
+        "dense": [int(x) if x else None for x in f[1:14]],
+        "sparse": [x or None for x in f[14:40]],
+    }
 
 
 def requests(lines) -> list[tuple[str, str, dict]]:
     """(method, path, httpx keyword arguments): answers and errors of every scoring route."""
     one = json.dumps({"instances": [instance(lines[0])]})
-    tensor = [{"name": "I1", "shape": [2], "datatype": "FP32", "data": [1, 2]},
-              {"name": "C1", "shape": [2], "datatype": "BYTES", "data": ["68fd1e64", "x"]}]
+    tensor = [
+        {"name": "I1", "shape": [2], "datatype": "FP32", "data": [1, 2]},
+        {"name": "C1", "shape": [2], "datatype": "BYTES", "data": ["68fd1e64", "x"]},
+    ]
     bad_sparse = {"instances": [{"dense": [1] * 13, "sparse": ["a"] * 25}]}
     return [
         ("POST", "/v1/models/dlrm:predict", {"content": one}),
@@ -51,14 +56,18 @@ def requests(lines) -> list[tuple[str, str, dict]]:
         ("POST", "/v1/models/dlrm:predict", {"json": bad_sparse}),  # 422 naming the field
         ("POST", "/v1/models/dlrm:predict", {"content": b"{not json"}),  # 422 body
         ("POST", "/v1/models/dlrm:predict", {"json": {"instances": []}}),
-        ("POST", "/v1/models/dlrm:predict", {"content": b"x" * 5000}),  # over the test's 4 KiB cap: 413
+        # over the test's 4 KiB cap: 413
+        ("POST", "/v1/models/dlrm:predict", {"content": b"x" * 5000}),
         ("POST", "/v1/models/dlrm:predict_tsv", {"content": "\n".join(lines[:3]).encode()}),
         ("POST", "/v1/models/dlrm/versions/v1:predict_tsv", {"content": lines[0].encode()}),
         ("POST", "/v1/models/dlrm:predict_tsv", {"content": b"1\t2\n"}),
         ("POST", "/v2/models/dlrm/infer", {"json": {"id": "r1", "inputs": tensor}}),
         ("POST", "/v2/models/dlrm/versions/v1/infer", {"json": {"inputs": tensor}}),
-        ("POST", "/v2/models/dlrm/infer", {"json": {"inputs": [{"name": "I99", "shape": [1], "datatype": "FP32",
-                                                                 "data": [1]}]}}),
+        (
+            "POST",
+            "/v2/models/dlrm/infer",
+            {"json": {"inputs": [{"name": "I99", "shape": [1], "datatype": "FP32", "data": [1]}]}},
+        ),
         ("POST", "/v2/models/nope/infer", {"json": {"inputs": tensor}}),
         ("GET", "/v1/models/dlrm:predict", {}),  # 405 from FastAPI either way
         ("POST", "/v1/models/dlrm", {"content": one}),  # no POST route: 405
@@ -78,7 +87,11 @@ def answers(client: TestClient, lines, auth: dict) -> list[tuple]:
 
 def latency_labels(client: TestClient) -> list[str]:
     text = client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    return sorted(line.split(" ")[0] for line in text.splitlines() if line.startswith("dlrm_request_latency_seconds_count"))
+    return sorted(
+        line.split(" ")[0]
+        for line in text.splitlines()
+        if line.startswith("dlrm_request_latency_seconds_count")
+    )
 
 
 @pytest.mark.parametrize(("auth", "inline"), [(False, 0), (True, 0), (False, 4096)])
@@ -95,7 +108,9 @@ def test_fast_path_answers_as_fastapi_does(store_url, lines, auth, inline, monke
     monkeypatch.setattr(ModelService, "predict_json", spy)
     for fast in (False, True):
         threads.clear()
-        settings = Settings(store=store_url, fast_path=fast, max_body_bytes=4096, inline_max_bytes=inline, **keys)
+        settings = Settings(
+            store=store_url, fast_path=fast, max_body_bytes=4096, inline_max_bytes=inline, **keys
+        )
         with TestClient(create_app(settings)) as client:
             runs[fast] = (answers(client, lines, headers), latency_labels(client))
         # FastAPI: anyio's threads; the lean path: its pool, or the loop for small bodies when
@@ -107,7 +122,9 @@ def test_fast_path_answers_as_fastapi_does(store_url, lines, auth, inline, monke
         assert a == b, a[0]
     assert {s for _, s, _, _ in quick} >= {200, 404, 405, 413, 422}
     assert slow_labels == quick_labels
-    assert any('route="/v1/models/{name}:predict"' in x and 'status="200"' in x for x in quick_labels)
+    assert any(
+        'route="/v1/models/{name}:predict"' in x and 'status="200"' in x for x in quick_labels
+    )
 
 
 def test_fast_path_keeps_authentication(store_url, lines):
@@ -115,10 +132,16 @@ def test_fast_path_keeps_authentication(store_url, lines):
         body = {"instances": [instance(lines[0])]}
         r = client.post("/v1/models/dlrm:predict", json=body)
         assert r.status_code == 401 and r.json()["field"] == "Authorization"
-        r = client.post("/v1/models/dlrm:predict", json=body, headers={"Authorization": "Bearer wrong"})
+        r = client.post(
+            "/v1/models/dlrm:predict", json=body, headers={"Authorization": "Bearer wrong"}
+        )
         assert r.status_code == 401
-        assert client.post("/v1/models/dlrm:predict", json=body,
-                           headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert (
+            client.post(
+                "/v1/models/dlrm:predict", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            ).status_code
+            == 200
+        )
 
 
 def test_handler_log_lines_carry_the_request_id(store_url, lines, monkeypatch):
@@ -132,8 +155,11 @@ def test_handler_log_lines_carry_the_request_id(store_url, lines, monkeypatch):
 
     monkeypatch.setattr(ModelService, "predict_json", logged)
     with TestClient(create_app(Settings(store=store_url))) as client:
-        r = client.post("/v1/models/dlrm:predict", json={"instances": [instance(lines[0])]},
-                        headers={"X-Request-ID": "req-fast-42"})
+        r = client.post(
+            "/v1/models/dlrm:predict",
+            json={"instances": [instance(lines[0])]},
+            headers={"X-Request-ID": "req-fast-42"},
+        )
     assert r.status_code == 200 and r.headers["x-request-id"] == "req-fast-42"
     assert seen == ["req-fast-42"]
 
@@ -142,7 +168,9 @@ def test_routing_follows_the_apps_post_routes_in_order():
     def handler(*_):
         raise AssertionError("not called")
 
-    layer = FastScoring(None, [("/a/{x}", "GET"), ("/a/{x}", "POST"), ("/a/{x}:go", "POST")], {"/a/{x}:go": handler})
+    layer = FastScoring(
+        None, [("/a/{x}", "GET"), ("/a/{x}", "POST"), ("/a/{x}:go", "POST")], {"/a/{x}:go": handler}
+    )
     # "/a/{x}" comes first and its {x} matches "k:go": FastAPI's route, not the fast one.
     assert layer.match({"type": "http", "path": "/a/k:go", "root_path": ""}) is None
     layer = FastScoring(None, [("/a/{x}:go", "POST"), ("/a/{x}", "POST")], {"/a/{x}:go": handler})
@@ -155,12 +183,16 @@ def test_routing_follows_the_apps_post_routes_in_order():
 
 def _metric(client: TestClient, name: str) -> float:
     text = client.get("/metrics").text
-    return sum(float(line.split(" ")[-1]) for line in text.splitlines() if line.startswith(name + " ")
-               or line.startswith(name + "{"))
+    return sum(
+        float(line.split(" ")[-1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
 
 
-def test_redis_requests_with_every_row_cached_are_scored_on_the_loop(trained_criteo, redis_server, lines,
-                                                                      monkeypatch):
+def test_redis_requests_with_every_row_cached_are_scored_on_the_loop(
+    trained_criteo, redis_server, lines, monkeypatch
+):
     """A lone small request on Redis runs on the event loop when the row cache holds all its rows;
     one that would read Redis (a miss, a pinned version not loaded yet) goes to the pool, scored
     once there (metrics counted once), and every answer is the one the pool alone gives."""
@@ -175,19 +207,31 @@ def test_redis_requests_with_every_row_cached_are_scored_on_the_loop(trained_cri
         return real(self, model, inputs)
 
     monkeypatch.setattr(ModelService, "score", spy)
-    bodies = [("dlrm", lines[1]), ("dlrm", lines[1]), ("dlrm", lines[2]), ("dlrm", lines[2]),
-              ("dlrm/versions/v1", lines[1]), ("dlrm/versions/v1", lines[1])]
+    bodies = [
+        ("dlrm", lines[1]),
+        ("dlrm", lines[1]),
+        ("dlrm", lines[2]),
+        ("dlrm", lines[2]),
+        ("dlrm/versions/v1", lines[1]),
+        ("dlrm/versions/v1", lines[1]),
+    ]
     runs = {}
     for inline in (0, 4096):
         with TestClient(create_app(Settings(store=url, inline_max_bytes=inline))) as client:
             threads.clear()
-            runs[inline] = [client.post(f"/v1/models/{path}:predict", content=json.dumps(
-                {"instances": [instance(line)]})).content for path, line in bodies]
+            runs[inline] = [
+                client.post(
+                    f"/v1/models/{path}:predict",
+                    content=json.dumps({"instances": [instance(line)]}),
+                ).content
+                for path, line in bodies
+            ]
             scored = list(threads)  # a pinned version's load scores one warm-up request too
             requests_counted = _metric(client, "dlrm_model_batch_requests_count")
             hits = _metric(client, "dlrm_cache_hits_total")
         if inline:
-            # miss: pool; all cached: loop; v1 not loaded: pool (its load, then the request); cached: loop
+            # miss: pool; all cached: loop; v1 not loaded: pool (its load, then the request);
+            # cached: loop
             assert scored == [True, False, True, False, True, True, False]
         else:
             assert all(scored)

@@ -18,7 +18,12 @@ from dlrm_core.schema import (
 
 def test_hex_parsing_matches_python_int():
     rng = np.random.default_rng(0)
-    values = [f"{v:08x}" for v in rng.integers(0, 2**32, 1000)] + ["0", "F", "aBcD", "ffffffffffffffff"]
+    values = [f"{v:08x}" for v in rng.integers(0, 2**32, 1000)] + [
+        "0",
+        "F",
+        "aBcD",
+        "ffffffffffffffff",
+    ]
     ints, ok = hex_to_uint64(pa.array(values))
     assert ok.all()
     assert [int(x) for x in ints] == [int(v, 16) for v in values]
@@ -74,12 +79,18 @@ def test_string_hash_is_the_documented_one_and_stable():
     assert hash_strings(pa.array(values)).tolist() == [reference_hash(v) for v in values]
     # Golden values: little-endian words, the same on every machine and in every process.
     assert hash_strings(pa.array(["", "a", "1fbe01fe"])).tolist() == [
-        8848935107335307795, 18278461659354269303, 15947942886332323542]
+        8848935107335307795,
+        18278461659354269303,
+        15947942886332323542,
+    ]
 
 
 def test_string_hash_paths_agree_and_spread():
     rng = np.random.default_rng(1)
-    ascii_ = [str(x) * int(k) for x, k in zip(rng.integers(0, 10**6, 2000), rng.integers(1, 12, 2000), strict=True)]
+    ascii_ = [
+        str(x) * int(k)
+        for x, k in zip(rng.integers(0, 10**6, 2000), rng.integers(1, 12, 2000), strict=True)
+    ]
     fast = hash_strings(pa.array(ascii_))
     # A non-ASCII value sends the whole array down the general path: the hashes must not change.
     slow = hash_strings(pa.array(ascii_ + ["é"]))[:-1]
@@ -94,7 +105,11 @@ def test_integers_hash_as_their_decimal_spelling():
     as_int, _ = raw_ids(pa.array([14102100, 7, None, None], type=pa.int64()), "string")
     assert as_text.tolist() == as_int.tolist() and as_text[2] == 0 and as_text[3] == 0
     ints, ok = raw_ids(pa.array(["12", "-3", "x", ""]), "int")
-    assert ok.tolist() == [True, True, False, True] and ints[0] == 12 and ints[1] == np.uint64(2**64 - 3)
+    assert (
+        ok.tolist() == [True, True, False, True]
+        and ints[0] == 12
+        and ints[1] == np.uint64(2**64 - 3)
+    )
 
 
 def test_dense_transforms():
@@ -102,8 +117,12 @@ def test_dense_transforms():
     log = transform_dense(x, DenseFeature(kind="dense", name="a"))
     assert log.dtype == np.float32
     np.testing.assert_allclose(log, [0, np.log(2), 0, np.log(1383), 0], rtol=1e-6)
-    std = transform_dense(x, DenseFeature(kind="dense", name="a", transform="standardize", mean=1.0, std=2.0,
-                                          missing=-9))
+    std = transform_dense(
+        x,
+        DenseFeature(
+            kind="dense", name="a", transform="standardize", mean=1.0, std=2.0, missing=-9
+        ),
+    )
     np.testing.assert_allclose(std, [-0.5, 0, -1, 690.5, -9], rtol=1e-6)
 
 
@@ -120,7 +139,12 @@ def _spec():
 
 def test_featurizer_multi_hot_and_shared_tables():
     spec = _spec()
-    assert [t.name for t in spec.tables] == ["site", "tags", "item"] and spec.feature_tables == [0, 1, 2, 2]
+    assert [t.name for t in spec.tables] == ["site", "tags", "item"] and spec.feature_tables == [
+        0,
+        1,
+        2,
+        2,
+    ]
     cols = {
         LABEL: pa.array(["1", "0", "2"]),
         "price": pa.array(["3.5", "", "1"]),
@@ -130,8 +154,15 @@ def test_featurizer_multi_hot_and_shared_tables():
         "candidate": pa.array(["i1", "i9", "i3"]),
     }
     parsed = Featurizer(spec)(cols, 3, np.arange(1, 4), "f.csv")
-    assert parsed.num_rows == 2 and [(b.line, b.reason, b.field) for b in parsed.bad] == [(3, "label is not 0 or 1", "label")]
-    assert parsed.lengths[:, 0].tolist() == [1, 2, 1, 1] and parsed.lengths[:, 1].tolist() == [1, 0, 1, 1]
+    assert parsed.num_rows == 2 and [(b.line, b.reason, b.field) for b in parsed.bad] == [
+        (3, "label is not 0 or 1", "label")
+    ]
+    assert parsed.lengths[:, 0].tolist() == [1, 2, 1, 1] and parsed.lengths[:, 1].tolist() == [
+        1,
+        0,
+        1,
+        1,
+    ]
     assert parsed.dense[:, 0].tolist() == [3.5, 0.0]
     assert parsed.values[3][0] == parsed.values[2][0]  # one id, one row of the shared table
     assert parsed.values[1].tolist() == to_rows(hash_strings(pa.array(["a", "b"])), 50).tolist()
@@ -142,11 +173,19 @@ def test_spec_round_trip_and_validation():
     assert len(spec.columns) == 40 and spec.label == "label"
     assert FeatureSpec.model_validate_json(spec.model_dump_json()) == spec
     with pytest.raises(ValueError, match="duplicate"):
-        FeatureSpec(dense=[DenseFeature(kind="dense", name="a")],
-                    categorical=[CategoricalFeature(kind="categorical", name="a", table="a")],
-                    tables=[TableSpec(name="a", rows=2, dim=4)])
+        FeatureSpec(
+            dense=[DenseFeature(kind="dense", name="a")],
+            categorical=[CategoricalFeature(kind="categorical", name="a", table="a")],
+            tables=[TableSpec(name="a", rows=2, dim=4)],
+        )
     with pytest.raises(ValueError, match="share table 'item' but set dim 8 and 16"):
-        build_spec([CategoricalFeature(kind="categorical", name="a", table="item", dim=8),
-                    CategoricalFeature(kind="categorical", name="b", table="item", dim=16)], "csv", label="y")
+        build_spec(
+            [
+                CategoricalFeature(kind="categorical", name="a", table="item", dim=8),
+                CategoricalFeature(kind="categorical", name="b", table="item", dim=16),
+            ],
+            "csv",
+            label="y",
+        )
     with pytest.raises(ValueError, match="needs its label column"):
         build_spec([CategoricalFeature(kind="categorical", name="a")], "csv")

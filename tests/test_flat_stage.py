@@ -1,4 +1,5 @@
-"""The trainer's flat stage (``embedding_server/client/distributed.py``): with a table-wise plan it moves
+"""The trainer's flat stage (``embedding_server/client/distributed.py``): with a table-wise plan it
+moves
 pooled vectors and gradients as column blocks; the result equals the general per-feature path
 bit for bit, for one and several servers and chunks, and a whole-input message is not copied."""
 

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.slow
 STORE_DIR = Path(tempfile.mkdtemp(prefix="dlrm-fuzz-store-"))
 # Every call runs the app's lifespan (a service of its own): one metrics object counts them all.
 METRICS = ServingMetrics()
-APP = create_app(Settings(store=f"file://{STORE_DIR}", max_instances=64, max_body_bytes=1 << 20), metrics=METRICS)
+APP = create_app(
+    Settings(store=f"file://{STORE_DIR}", max_instances=64, max_body_bytes=1 << 20), metrics=METRICS
+)
 VERSIONS = ["fuzz-old", "fuzz"]
 # The document the app serves once the model below is loaded (tiny.toml's Criteo spec; the test
 # checks the live document is this one): model name, versions and features as enums and patterns.
@@ -41,7 +43,9 @@ DOC = model_openapi(APP, tiny_config().feature_spec(), "dlrm", VERSIONS)
 schema = schemathesis.openapi.from_dict(DOC)
 schema.app = APP
 # Valid and invalid data alike (wrong types, missing fields, out-of-range values): any 5xx fails.
-schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], deterministic=True)
+schema.config.generation.update(
+    modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], deterministic=True
+)
 CALLS = []
 
 
@@ -77,7 +81,9 @@ def aligned_tensors(context, body):
 def test_no_request_causes_a_server_error(case):
     response = case.call()
     CALLS.append(case.formatted_path)
-    assert response.status_code < 500, f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}"
+    assert response.status_code < 500, (
+        f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:300]}"
+    )
     if response.status_code >= 400 and response.status_code != 405:
         assert "error" in response.json(), response.text[:300]
 
@@ -87,7 +93,10 @@ def test_the_fuzzer_reached_scoring():
     if not CALLS:
         pytest.skip("the fuzzing test did not run in this session")
     text = METRICS.render().decode()
-    scored = {kind: value(text, "dlrm_batch_instances_count", input=kind) for kind in ("instances", "lines", "tensors")}
+    scored = {
+        kind: value(text, "dlrm_batch_instances_count", input=kind)
+        for kind in ("instances", "lines", "tensors")
+    }
     assert all(v > 0 for v in scored.values()), scored
     pinned = [p for p in CALLS if "/versions/" in p]
     assert pinned
@@ -102,7 +111,9 @@ class PublishPromotePredict(RuleBasedStateMachine):
         self.dir = Path(tempfile.mkdtemp(prefix="dlrm-fuzz-state-"))
         self.store = open_store(f"file://{self.dir}", keep_versions=10)
         self.truth: dict[str, list[float]] = {}
-        self.client = TestClient(create_app(Settings(store=f"file://{self.dir}", poll_interval_s=0.05)))
+        self.client = TestClient(
+            create_app(Settings(store=f"file://{self.dir}", poll_interval_s=0.05))
+        )
         self.client.__enter__()
         self.count = 0
 
@@ -116,8 +127,14 @@ class PublishPromotePredict(RuleBasedStateMachine):
         self.count += 1
         if self.count == 1:
             meta = publish_checkpoint(TRAINED, self.store, version=name)
-            self.base = (meta, self.store.read_dense(name),
-                         {t.name: self.store.get_rows(name, t.name, np.arange(t.rows))[0] for t in meta.spec.tables})
+            self.base = (
+                meta,
+                self.store.read_dense(name),
+                {
+                    t.name: self.store.get_rows(name, t.name, np.arange(t.rows))[0]
+                    for t in meta.spec.tables
+                },
+            )
         else:
             meta, dense, rows = self.base
             with self.store.begin(meta.model_copy(update={"version": name})) as writer:
@@ -157,7 +174,8 @@ class PublishPromotePredict(RuleBasedStateMachine):
         body = r.json()
         version = body.get("model_version")
         predictions = body["predictions"] if "predictions" in body else body["outputs"][0]["data"]
-        assert predictions == pytest.approx(self.truth[version], abs=1e-6)  # the reported version's own
+        # the reported version's own
+        assert predictions == pytest.approx(self.truth[version], abs=1e-6)
         if pinned is not None:
             assert version == pinned
 
@@ -168,8 +186,14 @@ class PublishPromotePredict(RuleBasedStateMachine):
         if protocol == "v1":
             r = self.client.post(f"/v1/models/dlrm{at}:predict", json={"instances": [GOOD]})
         else:
-            inputs = [{"name": f"I{i + 1}", "shape": [1], "datatype": "FP32", "data": [1]} for i in range(13)]
-            inputs += [{"name": f"C{i + 1}", "shape": [1], "datatype": "BYTES", "data": ["68fd1e64"]} for i in range(26)]
+            inputs = [
+                {"name": f"I{i + 1}", "shape": [1], "datatype": "FP32", "data": [1]}
+                for i in range(13)
+            ]
+            inputs += [
+                {"name": f"C{i + 1}", "shape": [1], "datatype": "BYTES", "data": ["68fd1e64"]}
+                for i in range(26)
+            ]
             r = self.client.post(f"/v2/models/dlrm{at}/infer", json={"inputs": inputs})
         self._check(r, version)
 
@@ -186,6 +210,10 @@ def test_publish_promote_predict_state_machine(trained_criteo):
     global TRAINED
     TRAINED = trained_criteo
     machine = PublishPromotePredict.TestCase
-    machine.settings = settings(max_examples=6, stateful_step_count=8, deadline=None,
-                                suppress_health_check=list(HealthCheck))
+    machine.settings = settings(
+        max_examples=6,
+        stateful_step_count=8,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     machine().runTest()

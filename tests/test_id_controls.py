@@ -21,8 +21,15 @@ def _split(tmp_path: Path) -> tuple[Path, Path]:
     for name, n in (("train.txt", 400), ("test.txt", 100)):
         lines = []
         for _ in range(n):
-            ids = [format(int(rng.zipf(1.3)) * 7919 + j, "x") if rng.random() > 0.05 else "" for j in range(26)]
-            lines.append("\t".join([str(int(rng.random() < 0.3))] + [str(int(rng.integers(0, 9)))] * 13 + ids))
+            ids = [
+                format(int(rng.zipf(1.3)) * 7919 + j, "x") if rng.random() > 0.05 else ""
+                for j in range(26)
+            ]
+            lines.append(
+                "\t".join(
+                    [str(int(rng.random() < 0.3))] + [str(int(rng.integers(0, 9)))] * 13 + ids
+                )
+            )
         (tmp_path / name).write_text("\n".join(lines) + "\n")
         paths.append(tmp_path / name)
     return paths[0], paths[1]
@@ -48,7 +55,8 @@ def test_an_equivalent_hash_keeps_every_collision(tmp_path):
                 before[_row(x[j])].add(x[j])
                 after[_row(y[j])].add(x[j])
             assert sorted(map(sorted, before.values())) == sorted(map(sorted, after.values()))
-            assert set(before) != set(after) or any(before[r] != after[r] for r in before)  # rows did move
+            # rows did move
+            assert set(before) != set(after) or any(before[r] != after[r] for r in before)
 
 
 def test_the_stand_in_gives_frequent_ids_their_own_rows(tmp_path):
@@ -72,4 +80,6 @@ def test_the_stand_in_gives_frequent_ids_their_own_rows(tmp_path):
         row_of = {x[j]: _row(y[j]) for x, y in zip(a, b, strict=True)}
         for x, y in zip(_cells(test), _cells(got_test), strict=True):  # a test id: its training row
             want = row_of.get(x[j])
-            assert _row(y[j]) == want if want is not None and want >= SHARED else _row(y[j]) < SHARED
+            assert (
+                _row(y[j]) == want if want is not None and want >= SHARED else _row(y[j]) < SHARED
+            )

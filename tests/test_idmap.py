@@ -18,7 +18,12 @@ INT64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 
 class TestIdHashTable:
     @settings(max_examples=60, deadline=None)
-    @given(st.lists(st.tuples(st.sampled_from(["insert", "delete"]), st.lists(INT64, max_size=40)), max_size=12))
+    @given(
+        st.lists(
+            st.tuples(st.sampled_from(["insert", "delete"]), st.lists(INT64, max_size=40)),
+            max_size=12,
+        )
+    )
     def test_matches_a_dict(self, ops):
         table, ref = IdHashTable(64), {}
         next_slot = 0
@@ -28,7 +33,9 @@ class TestIdHashTable:
                 keys = [k for k in keys if k not in ref][: 64 - len(ref)]
                 slots = list(range(next_slot, next_slot + len(keys)))
                 next_slot += len(keys)
-                table.insert(torch.tensor(keys, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64))
+                table.insert(
+                    torch.tensor(keys, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+                )
                 ref.update(zip(keys, slots, strict=True))
             else:
                 keys = [k for k in keys if k in ref]
@@ -51,8 +58,13 @@ class TestIdHashTable:
         assert table.live == 0
 
     def test_mix64_is_fixed(self):
-        # splitmix64 (0 -> 0xE220A8397B1DCDAF, its first output): the layout of maps in checkpoints depends on it.
-        assert mix64(torch.tensor([0, 1, -1])).tolist() == [-2152535657050944081, -7995527694508729151, -1956407806741107680]
+        # splitmix64 (0 -> 0xE220A8397B1DCDAF, its first output): the layout of maps in checkpoints
+        # depends on it.
+        assert mix64(torch.tensor([0, 1, -1])).tolist() == [
+            -2152535657050944081,
+            -7995527694508729151,
+            -1956407806741107680,
+        ]
 
 
 def test_count_min_sketch_never_underestimates():
@@ -83,7 +95,8 @@ class TestDynamicIdMap:
         m = DynamicIdMap(10, DynamicIds(admit_after=3, shared_rows=0))
         assert m.lookup(torch.tensor([5, 5]), train=True).tolist() == [0, 0]  # seen twice
         assert m.lookup(torch.tensor([5, 6]), train=True).tolist() == [1, 0]  # third time: admitted
-        assert m.lookup(torch.tensor([5, 6, 7]), train=False).tolist() == [1, 0, 0]  # evaluation reads
+        # evaluation reads
+        assert m.lookup(torch.tensor([5, 6, 7]), train=False).tolist() == [1, 0, 0]
         assert m.stats() == {"rows_used": 2, "admitted": 1, "evicted": 0, "default_lookups": 3}
 
     def test_lru_frees_the_least_recently_used(self):
@@ -102,8 +115,11 @@ class TestDynamicIdMap:
         m.lookup(torch.tensor([13, 11]), train=True)  # 11: twice
         m.lookup(torch.tensor([13]), train=True)  # 13: twice
         m.lookup(torch.tensor([20]), train=True)  # seen once: no row worth giving up
-        assert m.lookup(torch.tensor([20]), train=False).tolist() == [0] and m.stats()["evicted"] == 0
-        m.lookup(torch.tensor([20, 20]), train=True)  # seen 3 times: beats 11 (twice, and older than 13)
+        assert (
+            m.lookup(torch.tensor([20]), train=False).tolist() == [0] and m.stats()["evicted"] == 0
+        )
+        # seen 3 times: beats 11 (twice, and older than 13)
+        m.lookup(torch.tensor([20, 20]), train=True)
         kept = m.lookup(torch.tensor([11, 12, 13, 20]), train=False).tolist()
         assert [i for i, r in zip([11, 12, 13, 20], kept, strict=True) if r == 0] == [11]
         assert m.stats()["evicted"] == 1
@@ -124,7 +140,11 @@ class TestDynamicIdMap:
 
     def test_reused_rows_are_reset_first(self):
         resets = []
-        m = DynamicIdMap(3, DynamicIds(shared_rows=0), reset=lambda rows, ids: resets.append((rows.tolist(), ids.tolist())))
+        m = DynamicIdMap(
+            3,
+            DynamicIds(shared_rows=0),
+            reset=lambda rows, ids: resets.append((rows.tolist(), ids.tolist())),
+        )
         m.lookup(torch.tensor([1, 2]), train=True)
         m.lookup(torch.tensor([3]), train=True)  # full, and 1, 2 are too recent: row 0
         m.lookup(torch.tensor([3]), train=True)  # 1 goes (lru, ties: lower row), 3 takes row 1
@@ -132,25 +152,35 @@ class TestDynamicIdMap:
         assert resets == [([1, 2], [1, 2]), ([1], [3]), ([2], [4])]
 
     @settings(max_examples=40, deadline=None)
-    @given(st.integers(2, 40), st.integers(1, 3), st.sampled_from(["lru", "lfu", "ttl"]),
-           st.sampled_from([0.0, 0.25, 0.5]),
-           st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=30), min_size=1, max_size=25))
+    @given(
+        st.integers(2, 40),
+        st.integers(1, 3),
+        st.sampled_from(["lru", "lfu", "ttl"]),
+        st.sampled_from([0.0, 0.25, 0.5]),
+        st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=30), min_size=1, max_size=25),
+    )
     def test_capacity_stable_rows_and_consistency(self, rows, admit_after, policy, shared, stream):
         resets: list[tuple[list[int], list[int]]] = []
-        m = DynamicIdMap(rows, DynamicIds(admit_after=admit_after, evict=policy, ttl_steps=2, shared_rows=shared),
-                         reset=lambda r, i: resets.append((r.tolist(), i.tolist())))
+        m = DynamicIdMap(
+            rows,
+            DynamicIds(admit_after=admit_after, evict=policy, ttl_steps=2, shared_rows=shared),
+            reset=lambda r, i: resets.append((r.tolist(), i.tolist())),
+        )
         s = m.shared
         held: dict[int, int] = {}  # id -> row, as seen in lookups
         for ids in stream:
             before = len(resets)
             out = m.lookup(torch.tensor(ids, dtype=torch.int64), train=True).tolist()
             hashed = shared_rows_of(torch.tensor(ids, dtype=torch.int64), s).tolist()
-            assert all(r == h for r, h in zip(out, hashed, strict=True) if r < s)  # its own shared row
+            # its own shared row
+            assert all(r == h for r, h in zip(out, hashed, strict=True) if r < s)
             fresh = {i for _, new in resets[before:] for i in new}
             for i, r in zip(ids, out, strict=True):
                 assert 0 <= r < rows
                 if r >= s and i in held and held[i] != r:
-                    assert i in fresh, f"id {i} moved from row {held[i]} to {r} without a new admission"
+                    assert i in fresh, (
+                        f"id {i} moved from row {held[i]} to {r} without a new admission"
+                    )
                 if r >= s:
                     held[i] = r
             pairs = {(i, r) for i, r in zip(ids, out, strict=True) if r >= s}
@@ -168,9 +198,11 @@ class TestDynamicIdMap:
         ids = torch.arange(1000, 1200, dtype=torch.int64)  # seen once: none admitted
         train = m.lookup(ids, train=True)
         assert torch.equal(train, shared_rows_of(ids, 10)) and len(set(train.tolist())) == 10
-        assert torch.equal(m.lookup(ids + 7, train=False), shared_rows_of(ids + 7, 10))  # unseen: same rule
+        # unseen: same rule
+        assert torch.equal(m.lookup(ids + 7, train=False), shared_rows_of(ids + 7, 10))
         assert m.stats()["default_lookups"] == 200 and m.ids_held == 0
-        admitted = m.lookup(ids[:5], train=True)  # seen twice: rows of their own, after the shared ones
+        # seen twice: rows of their own, after the shared ones
+        admitted = m.lookup(ids[:5], train=True)
         assert bool((admitted >= 10).all()) and m.stats()["rows_used"] == 15
 
     def test_state_round_trip_continues_identically(self):

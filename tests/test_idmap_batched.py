@@ -20,12 +20,26 @@ HASHED_ROWS = 50
 def tables_for(policy: str, admit_after: int, shared: float) -> list[LocalTable]:
     """Three tables of one kind (one group), one of other rows and one of other settings (two
     more groups), and a hashed table between them."""
-    cfg = DynamicIds(admit_after=admit_after, evict=policy, ttl_steps=3, shared_rows=shared, start_from_shared=True)
-    other = DynamicIds(admit_after=1 if admit_after > 1 else 2, evict="lru" if policy != "lru" else "lfu",
-                       start_from_shared=True)
-    specs = [TableSpec(name="a", rows=1500, dim=4, dynamic=cfg), TableSpec(name="h", rows=HASHED_ROWS, dim=4),
-             TableSpec(name="b", rows=1500, dim=4, dynamic=cfg), TableSpec(name="c", rows=2000, dim=4, dynamic=cfg),
-             TableSpec(name="d", rows=1500, dim=4, dynamic=other), TableSpec(name="e", rows=1500, dim=4, dynamic=cfg)]
+    cfg = DynamicIds(
+        admit_after=admit_after,
+        evict=policy,
+        ttl_steps=3,
+        shared_rows=shared,
+        start_from_shared=True,
+    )
+    other = DynamicIds(
+        admit_after=1 if admit_after > 1 else 2,
+        evict="lru" if policy != "lru" else "lfu",
+        start_from_shared=True,
+    )
+    specs = [
+        TableSpec(name="a", rows=1500, dim=4, dynamic=cfg),
+        TableSpec(name="h", rows=HASHED_ROWS, dim=4),
+        TableSpec(name="b", rows=1500, dim=4, dynamic=cfg),
+        TableSpec(name="c", rows=2000, dim=4, dynamic=cfg),
+        TableSpec(name="d", rows=1500, dim=4, dynamic=other),
+        TableSpec(name="e", rows=1500, dim=4, dynamic=cfg),
+    ]
     return [LocalTable(s, i) for i, s in enumerate(specs)]
 
 
@@ -34,13 +48,16 @@ def stream(steps: int, batch: int, features: int, seed: int) -> list[torch.Tenso
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        ranks = (torch.rand(features, batch, generator=gen) ** 3 * 200_000).to(torch.int64)  # [F, B]
+        # [F, B]
+        ranks = (torch.rand(features, batch, generator=gen) ** 3 * 200_000).to(torch.int64)
         out.append(ranks * 1_000_003 - 2**40 + torch.arange(features)[:, None] * 7)
     return out
 
 
-@pytest.mark.parametrize(("policy", "admit_after", "shared"),
-                         [("lru", 1, 0.25), ("lru", 2, 0.0), ("lfu", 1, 0.25), ("lfu", 3, 0.1), ("ttl", 2, 0.25)])
+@pytest.mark.parametrize(
+    ("policy", "admit_after", "shared"),
+    [("lru", 1, 0.25), ("lru", 2, 0.0), ("lfu", 1, 0.25), ("lfu", 3, 0.1), ("ttl", 2, 0.25)],
+)
 def test_batched_admission_equals_one_map_per_table(policy, admit_after, shared):
     tables = tables_for(policy, admit_after, shared)
     resets: dict[int, list] = {t: [] for t in range(len(tables))}
@@ -54,11 +71,19 @@ def test_batched_admission_equals_one_map_per_table(policy, admit_after, shared)
         per_piece(reads, pieces, rows)
         return torch.zeros(rows.numel(), 4)
 
-    shard = ShardIdMaps(tables, list(range(len(tables))), lambda p, r, w: per_piece(resets, p, r), read)
+    shard = ShardIdMaps(
+        tables, list(range(len(tables))), lambda p, r, w: per_piece(resets, p, r), read
+    )
     ref_resets: dict[int, list] = {t: [] for t in range(len(tables))}
-    refs = {t: DynamicIdMap(local.spec.rows, local.table.dynamic,
-                            reset=lambda r, i, t=t: ref_resets[t].append((r.tolist(), i)))
-            for t, local in enumerate(tables) if local.table.dynamic is not None}
+    refs = {
+        t: DynamicIdMap(
+            local.spec.rows,
+            local.table.dynamic,
+            reset=lambda r, i, t=t: ref_resets[t].append((r.tolist(), i)),
+        )
+        for t, local in enumerate(tables)
+        if local.table.dynamic is not None
+    }
     # 4,096 ids a table and step: the sketches (65,536 counters a row) halve along the stream.
     halvings = 0
     for step, ids in enumerate(stream(40, 4096, len(tables), seed=len(policy) + admit_after)):
@@ -83,7 +108,12 @@ def test_batched_admission_equals_one_map_per_table(policy, admit_after, shared)
 
 def test_evaluation_lookups_change_nothing():
     tables = tables_for("lfu", 2, 0.25)
-    shard = ShardIdMaps(tables, list(range(len(tables))), lambda p, r, w: None, lambda p, r: torch.zeros(r.numel(), 4))
+    shard = ShardIdMaps(
+        tables,
+        list(range(len(tables))),
+        lambda p, r, w: None,
+        lambda p, r: torch.zeros(r.numel(), 4),
+    )
     ids = stream(3, 512, len(tables), seed=3)
     for x in ids:
         x[1] %= HASHED_ROWS
@@ -96,7 +126,12 @@ def test_evaluation_lookups_change_nothing():
 def test_lfu_victims_by_sorts_equal_the_packed_key():
     """The fallback for clocks and counts too large for one int64 key chooses the same rows."""
     tables = tables_for("lfu", 2, 0.25)
-    shard = ShardIdMaps(tables, list(range(len(tables))), lambda p, r, w: None, lambda p, r: torch.zeros(r.numel(), 4))
+    shard = ShardIdMaps(
+        tables,
+        list(range(len(tables))),
+        lambda p, r, w: None,
+        lambda p, r: torch.zeros(r.numel(), 4),
+    )
     for x in stream(12, 512, len(tables), seed=5):
         x[1] %= HASHED_ROWS
         shard.remap(SparseFeatures.one_hot(x), train=True)
@@ -114,13 +149,22 @@ def test_lfu_victims_by_sorts_equal_the_packed_key():
 
 def test_fresh_rows_of_several_pieces_equal_those_of_each():
     tables = tables_for("lru", 1, 0.25)
-    ids = torch.tensor([5, -2**62, 2**40 + 3, 9], dtype=torch.int64)
+    ids = torch.tensor([5, -(2**62), 2**40 + 3, 9], dtype=torch.int64)
     group = [tables[0], tables[2], tables[5]]  # a, b, e: 1,500 rows, dim 4
     which = torch.tensor([0, 2, 1, 0])
-    got = init_for_pieces(ids, torch.tensor([group[i].index for i in which.tolist()]),
-                          torch.tensor([group[i].col_start for i in which.tolist()]), 4, 1500, seed=7, init_scale=None)
+    got = init_for_pieces(
+        ids,
+        torch.tensor([group[i].index for i in which.tolist()]),
+        torch.tensor([group[i].col_start for i in which.tolist()]),
+        4,
+        1500,
+        seed=7,
+        init_scale=None,
+    )
     for k, i in enumerate(which.tolist()):
-        assert torch.equal(got[k], init_for_ids(ids[k : k + 1], group[i], seed=7, init_scale=None)[0])
+        assert torch.equal(
+            got[k], init_for_ids(ids[k : k + 1], group[i], seed=7, init_scale=None)[0]
+        )
 
 
 def test_row_blocks_of_one_buffer_and_of_separate_tensors_agree():
@@ -137,7 +181,12 @@ def test_row_blocks_of_one_buffer_and_of_separate_tensors_agree():
 
 def churned_group(policy: str, admit_after: int, steps: int = 12):
     tables = tables_for(policy, admit_after, 0.25)
-    shard = ShardIdMaps(tables, list(range(len(tables))), lambda p, r, w: None, lambda p, r: torch.zeros(r.numel(), 4))
+    shard = ShardIdMaps(
+        tables,
+        list(range(len(tables))),
+        lambda p, r, w: None,
+        lambda p, r: torch.zeros(r.numel(), 4),
+    )
     for x in stream(steps, 512, len(tables), seed=5):
         x[1] %= HASHED_ROWS
         shard.remap(SparseFeatures.one_hot(x), train=True)
@@ -146,7 +195,8 @@ def churned_group(policy: str, admit_after: int, steps: int = 12):
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_victims_by_sorting_the_movable_rows_equal_the_top_k(policy):
-    """Where few rows are movable the victims come from a sort of those rows; the same as the top-k."""
+    """Where few rows are movable the victims come from a sort of those rows; the same as the
+    top-k."""
     group = churned_group(policy, 1)
     tabs = torch.arange(group.count)
     clock, s = int(group.s["counters"][0, 0]), group.s
@@ -158,7 +208,9 @@ def test_victims_by_sorting_the_movable_rows_equal_the_top_k(policy):
     vals, rows = torch.topk(torch.where(movable, key, 2**63 - 1), 300, dim=1, largest=False)
     keep = (torch.arange(300)[None, :] < n[:, None]) & (vals != 2**63 - 1)
     assert few[0].numel() > 45  # some tables cut at n, some with fewer movable rows
-    assert torch.equal(few[0], tabs[:, None].expand_as(rows)[keep]) and torch.equal(few[1], rows[keep])
+    assert torch.equal(few[0], tabs[:, None].expand_as(rows)[keep]) and torch.equal(
+        few[1], rows[keep]
+    )
     assert torch.equal(few[2], torch.arange(300).expand_as(rows)[keep])
 
 
@@ -200,7 +252,8 @@ def test_victim_lists_choose_what_a_full_ranking_chooses(seed):
         n = torch.randint(0, 120, (tabs.numel(),), generator=gen)
         got_t, got_r, got_rank = lists.choose(tabs, n, last, used, top, clock)
         refills.add(lists.built)
-        key = torch.where(used & (last <= top), last * r + torch.arange(r), 2**63 - 1)[tabs]  # [m', R]
+        # [m', R]
+        key = torch.where(used & (last <= top), last * r + torch.arange(r), 2**63 - 1)[tabs]
         vals, rows = torch.sort(key, dim=1)
         keep = (torch.arange(r)[None, :] < n[:, None]) & (vals != 2**63 - 1)
         assert torch.equal(got_t, tabs[:, None].expand_as(rows)[keep])
@@ -211,15 +264,23 @@ def test_victim_lists_choose_what_a_full_ranking_chooses(seed):
         again = torch.rand(m, r, generator=gen) < 0.05  # ... and rows used or given to new ids now
         touched = again & (used | (torch.rand(m, r, generator=gen) < 0.5))
         last[touched], used[touched] = clock, True
-    assert chosen_total > 2000 and len(refills) > 3  # the lists ran out and refilled, not once a step
+    # the lists ran out and refilled, not once a step
+    assert chosen_total > 2000 and len(refills) > 3
 
 
 def test_batched_rebuild_equals_each_table_rebuilt():
     """Tables rebuilt together get the buckets IdHashTable._rebuild gives each; the others keep
     theirs; the row -> bucket cache points at the new buckets."""
     group = churned_group("lru", 1)
-    refs = [IdHashTable(group.rows - group.shared, m.table.keys.clone(), m.table.slots.clone(), m.table.counts.clone())
-            for m in group.maps]
+    refs = [
+        IdHashTable(
+            group.rows - group.shared,
+            m.table.keys.clone(),
+            m.table.slots.clone(),
+            m.table.counts.clone(),
+        )
+        for m in group.maps
+    ]
     assert all(r.tombstones > 0 for r in refs)
     for t in (0, 2):
         refs[t]._rebuild()
@@ -229,6 +290,11 @@ def test_batched_rebuild_equals_each_table_rebuilt():
         assert torch.equal(m.table.counts, r.counts)
     used = torch.nonzero(group.s["used"])
     flat = used[:, 0] * group.rows + used[:, 1]
-    truth = probe(group.keys, group.slots, group.s["row_id"].view(-1)[flat], used[:, 0] * group.buckets,
-                  group.buckets - 1)
+    truth = probe(
+        group.keys,
+        group.slots,
+        group.s["row_id"].view(-1)[flat],
+        used[:, 0] * group.buckets,
+        group.buckets - 1,
+    )
     assert torch.equal(group.bucket_of[flat][used[:, 0] != 1], truth[used[:, 0] != 1])

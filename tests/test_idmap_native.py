@@ -25,6 +25,7 @@ from .test_idmap_batched import HASHED_ROWS, stream, tables_for
 @pytest.fixture
 def kernel(monkeypatch):
     """kernel(mode): the maps use ``mode`` (auto / torch / native) from now on in this test."""
+
     def use(mode: str) -> None:
         monkeypatch.setenv(native.ENV, mode)
         native.library.cache_clear()
@@ -45,7 +46,8 @@ def test_probe_and_insert_agree_with_torch(kernel):
     kernel("native")
     gen = torch.Generator().manual_seed(0)
     keys = torch.randint(-(2**63), 2**63 - 1, (6000,), generator=gen, dtype=torch.int64)
-    keys = torch.unique(torch.cat([keys, torch.tensor([-1, 0, 1, 2**63 - 1, -(2**63)])]))  # edge ids too
+    # edge ids too
+    keys = torch.unique(torch.cat([keys, torch.tensor([-1, 0, 1, 2**63 - 1, -(2**63)])]))
     keys = keys[torch.randperm(keys.numel(), generator=gen)]
     tables = {}
     for mode in ("torch", "native"):
@@ -56,7 +58,9 @@ def test_probe_and_insert_agree_with_torch(kernel):
         t.insert(keys[4000:], torch.arange(4000, keys.numel()))
         tables[mode] = t
     queries = torch.cat([keys, torch.randint(-(2**62), 2**62, (3000,), generator=gen)])
-    want = torch.arange(keys.numel()).masked_fill(torch.arange(keys.numel()).ge(1000) & torch.arange(keys.numel()).lt(2500), -1)
+    want = torch.arange(keys.numel()).masked_fill(
+        torch.arange(keys.numel()).ge(1000) & torch.arange(keys.numel()).lt(2500), -1
+    )
     want = torch.cat([want, torch.full((3000,), -1)])
     for mode, t in tables.items():
         for probing in ("torch", "native"):  # each table read by both probes
@@ -73,19 +77,31 @@ def test_sketch_counts_agree_with_torch(kernel, width):
     kernel("native")
     gen = torch.Generator().manual_seed(1)
     tables, depth = 3, 4
-    ids = torch.cat([torch.randint(-(2**63), 2**63 - 1, (2000,), generator=gen, dtype=torch.int64),
-                     torch.tensor([-1, 0, 1, 2**63 - 1, -(2**63)])])
+    ids = torch.cat(
+        [
+            torch.randint(-(2**63), 2**63 - 1, (2000,), generator=gen, dtype=torch.int64),
+            torch.tensor([-1, 0, 1, 2**63 - 1, -(2**63)]),
+        ]
+    )
     which = torch.randint(0, tables, (ids.numel(),), generator=gen)
     counts = torch.randint(1, 5, (ids.numel(),), generator=gen)
     want_sketch = torch.randint(0, 3, (tables, depth * width), generator=gen, dtype=torch.int32)
-    got_sketch, want_added, got_added = want_sketch.clone(), torch.arange(tables), torch.arange(tables)
+    got_sketch, want_added, got_added = (
+        want_sketch.clone(),
+        torch.arange(tables),
+        torch.arange(tables),
+    )
     cells = sketch_cells_of(ids, width, depth) + which * (depth * width)  # the torch version
     flat = want_sketch.view(-1)
     flat.scatter_add_(0, cells.reshape(-1), counts.to(torch.int32).repeat(depth))
     want_added.index_add_(0, which, counts)
     want = flat.index_select(0, cells.view(-1)).view(cells.shape).amin(dim=0).to(torch.int64)
     got = native.sketch_add(got_sketch, got_added, ids, which, counts, width, depth)
-    assert torch.equal(got, want) and torch.equal(got_sketch, want_sketch) and torch.equal(got_added, want_added)
+    assert (
+        torch.equal(got, want)
+        and torch.equal(got_sketch, want_sketch)
+        and torch.equal(got_added, want_added)
+    )
     assert bool((got >= counts).all())  # never below an id's true count
 
 
@@ -120,13 +136,19 @@ def test_place_reports_tombstones_and_a_full_table(kernel):
     keys, slots = torch.zeros(8, dtype=torch.int64), torch.full((8,), -1, dtype=torch.int64)
     slots[3] = TOMBSTONE
     pos, reused = native.place(keys, slots, torch.arange(8) * 977, None, torch.arange(8) + 100, 8)
-    assert sorted(pos.tolist()) == list(range(8)) and int(reused.sum()) == 1 and bool(reused[pos == 3].all())
+    assert (
+        sorted(pos.tolist()) == list(range(8))
+        and int(reused.sum()) == 1
+        and bool(reused[pos == 3].all())
+    )
     with pytest.raises(RuntimeError, match="no free bucket"):
         native.place(keys, slots, torch.tensor([12345]), None, torch.tensor([0]), 8)
 
 
-@pytest.mark.parametrize(("policy", "admit_after", "shared"), [("lru", 1, 0.25), ("lfu", 1, 0.1), ("lfu", 3, 0.1),
-                                                               ("ttl", 2, 0.25)])
+@pytest.mark.parametrize(
+    ("policy", "admit_after", "shared"),
+    [("lru", 1, 0.25), ("lfu", 1, 0.1), ("lfu", 3, 0.1), ("ttl", 2, 0.25)],
+)
 def test_a_stream_of_steps_makes_the_torch_versions_decisions(kernel, policy, admit_after, shared):
     """Every remap, reset and read of a churning stream, and the maps' state after every step."""
     runs = {}
@@ -139,17 +161,34 @@ def test_a_stream_of_steps_makes_the_torch_versions_decisions(kernel, policy, ad
             calls.append(("read", pieces.tolist(), rows.tolist()))
             return torch.zeros(rows.numel(), 4)
 
-        shard = ShardIdMaps(tables, list(range(len(tables))),
-                            lambda p, r, w, calls=calls: calls.append(("reset", p.tolist(), r.tolist())), read)
+        shard = ShardIdMaps(
+            tables,
+            list(range(len(tables))),
+            lambda p, r, w, calls=calls: calls.append(("reset", p.tolist(), r.tolist())),
+            read,
+        )
         rows, states = [], []
         for ids in stream(30, 4096, len(tables), seed=len(policy) + admit_after):
             ids[1] %= HASHED_ROWS
             rows.append(shard.remap(SparseFeatures.one_hot(ids), train=True).values)
-            states.append({(t, k): v.clone() for t, m in shard.maps.items() for k, v in m.state().items()
-                           if not k.startswith("table.")})  # buckets aside: C places keys one by one
+            states.append(
+                {
+                    (t, k): v.clone()
+                    for t, m in shard.maps.items()
+                    for k, v in m.state().items()
+                    # buckets aside: C places keys one by one
+                    if not k.startswith("table.")
+                }
+            )
         test = stream(1, 4096, len(tables), seed=99)[0]
         test[1] %= HASHED_ROWS
-        runs[mode] = (rows, states, calls, shard.remap(SparseFeatures.one_hot(test), train=False).values, shard.stats())
+        runs[mode] = (
+            rows,
+            states,
+            calls,
+            shard.remap(SparseFeatures.one_hot(test), train=False).values,
+            shard.stats(),
+        )
     (r0, s0, c0, e0, st0), (r1, s1, c1, e1, st1) = runs["torch"], runs["native"]
     assert all(torch.equal(a, b) for a, b in zip(r0, r1, strict=True))
     for step, (a, b) in enumerate(zip(s0, s1, strict=True)):
@@ -178,7 +217,8 @@ def test_kernel_modes_and_a_failed_build(kernel, monkeypatch, tmp_path, caplog):
     assert native.library() is None
     assert "using the torch version" in caplog.text
     monkeypatch.delenv("CC")
-    if shutil.which("cc") or shutil.which("gcc"):  # and with a compiler: built once, beside the source
+    # and with a compiler: built once, beside the source
+    if shutil.which("cc") or shutil.which("gcc"):
         kernel("native")
         assert native.library() is not None and len(list(source.parent.glob("_idhash-*.so"))) == 1
 
@@ -200,20 +240,31 @@ def test_freeing_rows_with_a_stale_bucket_cache(kernel):
         group._release(used[::2, 0].contiguous(), used[::2, 1].contiguous())
         groups[mode] = group
     a, b = groups["torch"], groups["native"]
-    def live(g):  # (table, id, row) of every live bucket, sorted (buckets may differ: C inserts one by one)
-        at = torch.nonzero(g.slots >= 0).squeeze(1)
-        return sorted(zip((at // g.buckets).tolist(), g.keys[at].tolist(), g.slots[at].tolist(), strict=True))
 
-    assert live(a) == live(b) and int((a.slots == TOMBSTONE).sum()) == int((b.slots == TOMBSTONE).sum())
+    # (table, id, row) of every live bucket, sorted (buckets may differ: C inserts one by one)
+    def live(g):
+        at = torch.nonzero(g.slots >= 0).squeeze(1)
+        return sorted(
+            zip((at // g.buckets).tolist(), g.keys[at].tolist(), g.slots[at].tolist(), strict=True)
+        )
+
+    assert live(a) == live(b) and int((a.slots == TOMBSTONE).sum()) == int(
+        (b.slots == TOMBSTONE).sum()
+    )
     for name in ("used", "free", "counters", "table_counts", "row_id"):
         assert torch.equal(a.s[name], b.s[name]), name
     used = torch.nonzero(b.s["used"])
-    truth = probe(b.keys, b.slots, b.s["row_id"][used[:4, 0], used[:4, 1]], used[:4, 0] * b.buckets, b.buckets - 1)
+    truth = probe(
+        b.keys,
+        b.slots,
+        b.s["row_id"][used[:4, 0], used[:4, 1]],
+        used[:4, 0] * b.buckets,
+        b.buckets - 1,
+    )
     b.slots[truth] = TOMBSTONE  # those ids are no longer in the map
     b.bucket_of.fill_(-1)
     with pytest.raises(KeyError, match="freed row"):
         b._release(used[:4, 0].contiguous(), used[:4, 1].contiguous())
-
 
 
 def test_a_rebuild_keeps_every_id_and_points_the_bucket_cache_at_it(kernel, monkeypatch):
@@ -231,10 +282,15 @@ def test_a_rebuild_keeps_every_id_and_points_the_bucket_cache_at_it(kernel, monk
         assert int((group.slots == TOMBSTONE).sum()) > 0
         with monkeypatch.context() as m:
             calls = []
-            if way == "torch":  # the torch body, its inserts in C (one key at a time, as C's rebuild)
+            # the torch body, its inserts in C (one key at a time, as C's rebuild)
+            if way == "torch":
                 m.setattr(batched, "native_rebuild", lambda *a: False)
             else:
-                m.setattr(batched, "native_rebuild", lambda *a, calls=calls: calls.append(native.rebuild(*a)) or calls[-1])
+                m.setattr(
+                    batched,
+                    "native_rebuild",
+                    lambda *a, calls=calls: calls.append(native.rebuild(*a)) or calls[-1],
+                )
             group._rebuild(torch.tensor([0, 2]))
             assert calls == ([True] if way == "native" else [])
         rebuilt[way] = group
@@ -245,7 +301,8 @@ def test_a_rebuild_keeps_every_id_and_points_the_bucket_cache_at_it(kernel, monk
         assert int((b.slots[t * b.buckets : (t + 1) * b.buckets] == TOMBSTONE).sum()) == 0
     used = torch.nonzero(b.s["used"])
     at = b.bucket_of[used[:, 0] * b.rows + used[:, 1]]
-    mine = (used[:, 0] == 0) | (used[:, 0] == 2)  # the rebuilt tables' rows: the cache is right for each
+    # the rebuilt tables' rows: the cache is right for each
+    mine = (used[:, 0] == 0) | (used[:, 0] == 2)
     assert torch.equal(b.keys[at[mine]], b.s["row_id"][used[mine, 0], used[mine, 1]])
     assert torch.equal(b.slots[at[mine]], used[mine, 1])
     assert torch.equal(a.bucket_of[(used[:, 0] * b.rows + used[:, 1])[mine]], at[mine])
@@ -265,14 +322,20 @@ def test_row_blocks_in_c_read_write_copy_and_fill_as_torch(kernel):
         blocks.write(torch.tensor([0, 1]), torch.tensor([1, 2]), 0.5)
         blocks.copy(pieces, torch.tensor([0, 1, 2, 3]), torch.tensor([30, 10, 31, 32]))
         out[mode] = (got, buf.clone())
-        assert (native.gather_rows(blocks.flat, torch.tensor([0])) is not None) == (mode == "native")
+        assert (native.gather_rows(blocks.flat, torch.tensor([0])) is not None) == (
+            mode == "native"
+        )
         with pytest.raises(IndexError):
             blocks.read(torch.tensor([1]), torch.tensor([40]))  # past the buffer's last row
-    assert torch.equal(out["torch"][0][0], out["native"][0][0]) and torch.equal(out["torch"][1], out["native"][1])
+    assert torch.equal(out["torch"][0][0], out["native"][0][0]) and torch.equal(
+        out["torch"][1], out["native"][1]
+    )
 
 
 @pytest.mark.parametrize("start_from_shared", [True, False])
-def test_a_dynamic_shard_trains_the_same_rows_with_either_kernel(kernel, monkeypatch, start_from_shared):
+def test_a_dynamic_shard_trains_the_same_rows_with_either_kernel(
+    kernel, monkeypatch, start_from_shared
+):
     """Fresh rows copied from shared rows (C: one copy per row) or drawn from the id, reset
     optimizer state, the fused update on the remapped rows: the same weights and state after a
     churning stream."""
@@ -287,16 +350,21 @@ def test_a_dynamic_shard_trains_the_same_rows_with_either_kernel(kernel, monkeyp
         kernel(mode)
         ran: list[tuple[str, bool]] = []
 
-        def counted(name, real, ran=ran):  # row_blocks' C call ``name``, noting whether it did the work
+        # row_blocks' C call ``name``, noting whether it did the work
+        def counted(name, real, ran=ran):
             def call(*args):
                 ran.append((name, real(*args)))
                 return ran[-1][1]
+
             return call
 
         for name in ("copy_rows", "scatter_rows", "fill_rows"):
             monkeypatch.setattr(row_blocks, name, counted(name, getattr(native, name)))
         dynamic = DynamicIds(evict="lru", shared_rows=0.25, start_from_shared=start_from_shared)
-        tables = [LocalTable(TableSpec(name=f"t{i}", rows=64, dim=8, dynamic=dynamic), i) for i in range(3)]
+        tables = [
+            LocalTable(TableSpec(name=f"t{i}", rows=64, dim=8, dynamic=dynamic), i)
+            for i in range(3)
+        ]
         shard = EmbeddingShard(tables, SparseOptimizerConfig(lr=0.3), init_scale=0.1)
         for ids in stream(25, 256, 3, seed=11):
             shard(SparseFeatures.one_hot(ids)).square().sum().backward()

@@ -104,7 +104,9 @@ def test_writer_digests_while_writing_and_reports_errors(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_checkpoint_is_sized_by_trained_rows_and_resumes_exactly(tmp_path_factory, tmp_path):
+def test_default_model_checkpoint_is_sized_by_trained_rows_and_resumes_exactly(
+    tmp_path_factory, tmp_path
+):
     """The default config (26 tables x 1M rows, dim 16: 1.77 GB of tables and optimizer state)
     on 50k training rows: its checkpoints hold the trained rows only, and a run resumed from
     the mid-run one ends bit-identical."""
@@ -117,17 +119,30 @@ def test_default_model_checkpoint_is_sized_by_trained_rows_and_resumes_exactly(t
     data = tmp_path_factory.mktemp("synth50k")
     synthesize(data, train_rows=50_000, test_rows=5_000, seed=3)
     files = ([data / "train.txt"], [data / "test.txt"])
-    cfg = load_config(None, [{"train": {"progress": False, "log_step_losses": True, "checkpoint_every_steps": 49},
-                              "data": {"num_workers": 1}}])
+    cfg = load_config(
+        None,
+        [
+            {
+                "train": {"progress": False, "log_step_losses": True, "checkpoint_every_steps": 49},
+                "data": {"num_workers": 1},
+            }
+        ],
+    )
     a = Trainer(cfg, tmp_path / "a").fit(*files)  # 98 steps: checkpoints at 49 and 98
     stats = a["checkpoints"]["last"]
-    print(f"default model, 50k rows: checkpoint {stats['bytes'] / 1e6:.1f} MB for {stats['rows_written']:,} trained "
-          f"rows; {stats['bytes_allocated'] / 1e9:.2f} GB allocated")
+    print(
+        f"default model, 50k rows: checkpoint {stats['bytes'] / 1e6:.1f} MB for "
+        f"{stats['rows_written']:,} trained "
+        f"rows; {stats['bytes_allocated'] / 1e9:.2f} GB allocated"
+    )
     assert stats["bytes_allocated"] > 1.7e9 and stats["rows_allocated"] == 26_000_000
     assert stats["bytes"] * 10 <= 1.7e9
     # Resume from the step-49 checkpoint in another directory: the rest of the run is identical.
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "a" / "checkpoints" / "step-0000000049", tmp_path / "b" / "checkpoints" / "step-0000000049")
+    shutil.copytree(
+        tmp_path / "a" / "checkpoints" / "step-0000000049",
+        tmp_path / "b" / "checkpoints" / "step-0000000049",
+    )
     atomic_write_bytes(tmp_path / "b" / "checkpoints" / "latest", b"step-0000000049")
     b = Trainer(cfg, tmp_path / "b").fit(*files, resume=True)
     assert b["step_losses"] == a["step_losses"][49:]
@@ -136,4 +151,6 @@ def test_default_model_checkpoint_is_sized_by_trained_rows_and_resumes_exactly(t
     tb = CheckpointTables(latest_checkpoint(tmp_path / "b" / "checkpoints"))
     for name in ("C1", "C9", "C26"):
         assert torch.equal(ta.saved_rows(name, 0, 1_000_000), tb.saved_rows(name, 0, 1_000_000))
-        assert torch.equal(ta.read(name, "weight", 0, 1_000_000), tb.read(name, "weight", 0, 1_000_000))
+        assert torch.equal(
+            ta.read(name, "weight", 0, 1_000_000), tb.read(name, "weight", 0, 1_000_000)
+        )

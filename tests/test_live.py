@@ -72,7 +72,9 @@ def test_dlrm_train_with_live_store_publishes_and_pushes(redis_server, synth_sma
     np.testing.assert_array_equal(rows, weights[:50].numpy())
 
 
-def test_distributed_training_pushes_live_updates_from_the_servers(redis_server, synth_small, tmp_path):
+def test_distributed_training_pushes_live_updates_from_the_servers(
+    redis_server, synth_small, tmp_path
+):
     import numpy as np
     import torch
 
@@ -81,9 +83,13 @@ def test_distributed_training_pushes_live_updates_from_the_servers(redis_server,
     from embedding_server.checkpoint.tables import CheckpointTables
 
     url = f"{redis_server.url}?prefix=livedist{uuid.uuid4().hex[:6]}"
-    cfg = tiny_config(live={"store": url, "push_every_s": 0.2, "dense_every_s": 0.5},
-                      dist={"embedding_servers": 2, "trainers": 2, "sharding": "row_wise"})
-    launch_local(cfg, [synth_small / "train.txt"], [synth_small / "test.txt"], tmp_path / "run", resume=False)
+    cfg = tiny_config(
+        live={"store": url, "push_every_s": 0.2, "dense_every_s": 0.5},
+        dist={"embedding_servers": 2, "trainers": 2, "sharding": "row_wise"},
+    )
+    launch_local(
+        cfg, [synth_small / "train.txt"], [synth_small / "test.txt"], tmp_path / "run", resume=False
+    )
     store = open_store(url)
     version = store.current_version()
     assert version.startswith("live-")

@@ -8,7 +8,9 @@ import time
 from dlrm_core.logs import BufferedStreamHandler, JsonFormatter, TextFormatter, logging_config
 
 
-def _buffered(name: str, capacity: int, interval_s: float) -> tuple[io.StringIO, BufferedStreamHandler, logging.Logger]:
+def _buffered(
+    name: str, capacity: int, interval_s: float
+) -> tuple[io.StringIO, BufferedStreamHandler, logging.Logger]:
     """A logger ``name`` writing bare messages into a string through a buffered handler."""
     stream = io.StringIO()
     handler = BufferedStreamHandler(stream, capacity=capacity, interval_s=interval_s)
@@ -68,7 +70,9 @@ def test_time_stamps_follow_the_clock_and_the_format():
     later.created = first.created + 3600
     for record in (first, same, later):
         for datefmt in ("%H:%M:%S", "%Y-%m-%d %H:%M:%S"):
-            assert fmt.formatTime(record, datefmt) == time.strftime(datefmt, time.localtime(record.created))
+            assert fmt.formatTime(record, datefmt) == time.strftime(
+                datefmt, time.localtime(record.created)
+            )
     line = json.loads(JsonFormatter().format(later))
     assert line["time"].startswith(time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(later.created)))
 

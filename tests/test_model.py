@@ -64,7 +64,9 @@ def test_over_arch_shape():
 
 @pytest.mark.parametrize("interaction", ["dot", "dcn"])
 def test_dlrm_dense_uniform_and_mixed_dims(interaction):
-    cfg = ModelConfig(interaction=interaction, dense_arch_layer_sizes=[32], over_arch_layer_sizes=[16])
+    cfg = ModelConfig(
+        interaction=interaction, dense_arch_layer_sizes=[32], over_arch_layer_sizes=[16]
+    )
     model = DLRMDense(I, [D] * F, cfg, embedding_dim=D)
     assert model(torch.randn(B, I), torch.randn(B, F * D)).shape == (B,)
     dims = [8, 16, 32] * 8 + [4, 4]
@@ -83,7 +85,8 @@ def test_logistic_regression():
 
 def test_mlp_without_autograd_is_nn_linear_and_frozen_mlps_equal_it():
     """The evaluation path of the MLPs (bare addmm) is nn.Sequential bit for bit, also after the
-    weights change in place (a fused optimizer step); a frozen (served) MLP equals it to rounding."""
+    weights change in place (a fused optimizer step); a frozen (served) MLP equals it to
+    rounding."""
     from dense_trainer.model import freeze_for_serving, mlp
 
     torch.manual_seed(0)

@@ -18,24 +18,54 @@ pytestmark = pytest.mark.slow
 def test_trainer_and_servers_on_separate_hosts(synth_small, tmp_path):
     why_not = netns.available()
     out = tmp_path / "run"
-    flags = ["--train", str(synth_small / "train.txt"), "--test", str(synth_small / "test.txt"), "--out", str(out),
-             "--config", "configs/tiny.toml", "--embedding-servers", "2", "--trainers", "1", "--no-progress",
-             "--set", "dist.timeout_s=30"]
+    flags = [
+        "--train",
+        str(synth_small / "train.txt"),
+        "--test",
+        str(synth_small / "test.txt"),
+        "--out",
+        str(out),
+        "--config",
+        "configs/tiny.toml",
+        "--embedding-servers",
+        "2",
+        "--trainers",
+        "1",
+        "--no-progress",
+        "--set",
+        "dist.timeout_s=30",
+    ]
     worker = [sys.executable, str(REPO / "dlrm_cli.py"), "worker", *flags]
     world = 3
     procs = []
 
     def start(rank: int, argv: list[str], env: dict) -> None:
-        procs.append(subprocess.Popen(argv, cwd=REPO, env={**os.environ, **env, "RANK": str(rank), "WORLD_SIZE": str(world)},
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env={**os.environ, **env, "RANK": str(rank), "WORLD_SIZE": str(world)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
 
     if why_not is None:
         mode = "network namespaces"
         with netns.Hosts(world) as hosts:
             master = hosts.addrs[0]
-            for rank in range(world):  # rank 0: the trainer on host 0; ranks 1, 2: servers on hosts 1, 2
-                start(rank, hosts.command(rank, worker), {"MASTER_ADDR": master, "MASTER_PORT": "29731",
-                                                          "GLOO_SOCKET_IFNAME": hosts.ifname})
+            # rank 0: the trainer on host 0; ranks 1, 2: servers on hosts 1, 2
+            for rank in range(world):
+                start(
+                    rank,
+                    hosts.command(rank, worker),
+                    {
+                        "MASTER_ADDR": master,
+                        "MASTER_PORT": "29731",
+                        "GLOO_SOCKET_IFNAME": hosts.ifname,
+                    },
+                )
             outputs = [p.communicate(timeout=240)[0] for p in procs]
             traffic = [hosts.traffic(i) for i in range(world)]
     else:

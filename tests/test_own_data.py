@@ -25,10 +25,17 @@ from embedding_server.stores import open_store
 
 from .conftest import REPO
 
-TINY = {"embedding": {"dim": 8, "hash_size": 20000},
-        "model": {"dense_arch_layer_sizes": [32, 16], "over_arch_layer_sizes": [32, 16]},
-        "train": {"batch_size": 256, "progress": False, "eval_every_steps": 0, "checkpoint_every_steps": 0},
-        "data": {"num_workers": 1}}
+TINY = {
+    "embedding": {"dim": 8, "hash_size": 20000},
+    "model": {"dense_arch_layer_sizes": [32, 16], "over_arch_layer_sizes": [32, 16]},
+    "train": {
+        "batch_size": 256,
+        "progress": False,
+        "eval_every_steps": 0,
+        "checkpoint_every_steps": 0,
+    },
+    "data": {"num_workers": 1},
+}
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +48,16 @@ def table(tmp_path_factory):
 def table_config(d, **overrides):
     merged = json.loads(json.dumps(TINY))
     for section, values in overrides.items():
-        merged.setdefault(section, {}).update(values) if isinstance(values, dict) else merged.update({section: values})
+        merged.setdefault(section, {}).update(values) if isinstance(
+            values, dict
+        ) else merged.update({section: values})
     return load_config(d / "schema.toml", [merged])
 
 
 def test_csv_schema_trains_single_process(table, tmp_path):
-    metrics = Trainer(table_config(table), tmp_path / "run").fit([table / "train.csv"], [table / "test.csv"])
+    metrics = Trainer(table_config(table), tmp_path / "run").fit(
+        [table / "train.csv"], [table / "test.csv"]
+    )
     bayes = json.loads((table / "bayes.json").read_text())["test_auc"]
     assert metrics["malformed_lines"] == 0 and metrics["samples_seen"] == 20_000
     assert 0.62 < metrics["test_auc"] < bayes
@@ -89,7 +100,9 @@ def test_served_named_instances_reproduce_offline_auc(backend, table, tmp_path, 
     scores = []
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.1))) as client:
         for lo in range(0, len(instances), 1000):
-            r = client.post("/v1/models/dlrm:predict", json={"instances": instances[lo : lo + 1000]})
+            r = client.post(
+                "/v1/models/dlrm:predict", json={"instances": instances[lo : lo + 1000]}
+            )
             assert r.status_code == 200, r.text
             scores += r.json()["predictions"]
         lines = (table / "test.csv").read_text().splitlines()[1:51]  # CSV lines, no header
@@ -100,11 +113,27 @@ def test_served_named_instances_reproduce_offline_auc(backend, table, tmp_path, 
         # file holds them (values joined by the separator): the V1 scores.
         with open(table / "test.csv", newline="") as f:
             rows = list(csv.DictReader(f))[:50]
-        inputs = [{"name": feat.name, "shape": [50], "datatype": "FP64",
-                   "data": [float(row[feat.column or feat.name]) if row[feat.column or feat.name] else None for row in rows]}
-                  for feat in meta.spec.dense]
-        inputs += [{"name": feat.name, "shape": [50, 1], "datatype": "BYTES",
-                    "data": [[row[feat.column or feat.name]] for row in rows]} for feat in meta.spec.categorical]
+        inputs = [
+            {
+                "name": feat.name,
+                "shape": [50],
+                "datatype": "FP64",
+                "data": [
+                    float(row[feat.column or feat.name]) if row[feat.column or feat.name] else None
+                    for row in rows
+                ],
+            }
+            for feat in meta.spec.dense
+        ]
+        inputs += [
+            {
+                "name": feat.name,
+                "shape": [50, 1],
+                "datatype": "BYTES",
+                "data": [[row[feat.column or feat.name]] for row in rows],
+            }
+            for feat in meta.spec.categorical
+        ]
         assert any(feat.separator for feat in meta.spec.categorical)
         r = client.post("/v2/models/dlrm/infer", json={"inputs": inputs})
         assert r.status_code == 200, r.text
@@ -117,19 +146,29 @@ def test_served_named_instances_reproduce_offline_auc(backend, table, tmp_path, 
 
 def shared(cfg):
     """The config with `user` and `ad` reading one table (features sharing a table)."""
-    feats = [f.model_copy(update={"table": "ids", "rows": 50_000}) if f.name in ("user", "ad") else f
-             for f in cfg.features]
+    feats = [
+        f.model_copy(update={"table": "ids", "rows": 50_000}) if f.name in ("user", "ad") else f
+        for f in cfg.features
+    ]
     return cfg.model_copy(update={"features": feats})
 
 
 @pytest.mark.slow
 def test_distributed_and_towers_match_one_process_on_a_csv_schema(table, tmp_path):
     over = {"train": {"log_step_losses": True, "max_steps": 40}}
-    single = Trainer(shared(table_config(table, **over, data={"num_workers": 1, "interleave": 2})),
-                     tmp_path / "single").fit([table / "train.csv"], [table / "test.csv"])
-    cfg = shared(table_config(table, **over, dist={"embedding_servers": 2, "trainers": 2, "sharding": "row_wise"}))
+    single = Trainer(
+        shared(table_config(table, **over, data={"num_workers": 1, "interleave": 2})),
+        tmp_path / "single",
+    ).fit([table / "train.csv"], [table / "test.csv"])
+    cfg = shared(
+        table_config(
+            table, **over, dist={"embedding_servers": 2, "trainers": 2, "sharding": "row_wise"}
+        )
+    )
     assert cfg.feature_spec().shares_tables
-    dist = launch_local(cfg, [table / "train.csv"], [table / "test.csv"], tmp_path / "dist", resume=False)
+    dist = launch_local(
+        cfg, [table / "train.csv"], [table / "test.csv"], tmp_path / "dist", resume=False
+    )
     a, b = np.array(single["step_losses"]), np.array(dist["step_losses"])
     assert len(a) == len(b) == 40 and np.max(np.abs(a - b) / np.abs(a)) < 1e-4
     # Identity towers (features sharing a table together) are the flat model on any partition.
@@ -140,11 +179,20 @@ def test_distributed_and_towers_match_one_process_on_a_csv_schema(table, tmp_pat
     groups = list(tables.values())
     plan = {"towers": [{"features": sum(groups[0::2], [])}, {"features": sum(groups[1::2], [])}]}
     (tmp_path / "towers.json").write_text(json.dumps(plan))
-    cfg = shared(table_config(table, **over, dist={"embedding_servers": 2, "trainers": 1,
-                                                   "towers": str(tmp_path / "towers.json")}))
-    towers = launch_local(cfg, [table / "train.csv"], [table / "test.csv"], tmp_path / "towers", resume=False)
+    cfg = shared(
+        table_config(
+            table,
+            **over,
+            dist={"embedding_servers": 2, "trainers": 1, "towers": str(tmp_path / "towers.json")},
+        )
+    )
+    towers = launch_local(
+        cfg, [table / "train.csv"], [table / "test.csv"], tmp_path / "towers", resume=False
+    )
     c = np.array(towers["step_losses"])
-    one = Trainer(shared(table_config(table, **over)), tmp_path / "one").fit([table / "train.csv"], [table / "test.csv"])
+    one = Trainer(shared(table_config(table, **over)), tmp_path / "one").fit(
+        [table / "train.csv"], [table / "test.csv"]
+    )
     d = np.array(one["step_losses"])  # one trainer: the plain single-process batches
     assert len(c) == 40 and np.max(np.abs(d - c) / np.abs(d)) < 1e-4
 
@@ -156,7 +204,9 @@ def test_parquet_and_csv_train_identically(tmp_path):
     runs = {}
     for fmt, ext in (("csv", "csv"), ("parquet", "parquet")):
         d = tmp_path / fmt
-        runs[fmt] = Trainer(table_config(d, **over), d / "run").fit([d / f"train.{ext}"], [d / f"test.{ext}"])
+        runs[fmt] = Trainer(table_config(d, **over), d / "run").fit(
+            [d / f"train.{ext}"], [d / f"test.{ext}"]
+        )
     assert runs["csv"]["step_losses"] == runs["parquet"]["step_losses"]
     assert runs["csv"]["test_auc"] == runs["parquet"]["test_auc"]
 

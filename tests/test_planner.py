@@ -50,7 +50,11 @@ def test_refuses_a_model_that_cannot_fit_naming_table_and_shortfall():
 
 
 def test_parse_bytes_and_describe():
-    assert parse_bytes("8GB") == 8 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("1000") == 1000
+    assert (
+        parse_bytes("8GB") == 8 << 30
+        and parse_bytes("512MiB") == 512 << 20
+        and parse_bytes("1000") == 1000
+    )
     with pytest.raises(ConfigError):
         parse_bytes("lots")
     text = describe_plan(plan_sharding(SPEC, 2, "sgd", "row_wise"), SPEC, "sgd", 512)
@@ -67,8 +71,19 @@ TABLE = TableSpec(name="t", rows=10, dim=4, pooling="mean")
 
 
 def test_row_wise_route_combine_split():
-    pieces = [Piece(table="t", table_index=0, server=s, kind="row_wise", row_start=5 * s, rows=5, col_start=0, dim=4)
-              for s in range(2)]
+    pieces = [
+        Piece(
+            table="t",
+            table_index=0,
+            server=s,
+            kind="row_wise",
+            row_start=5 * s,
+            rows=5,
+            col_start=0,
+            dim=4,
+        )
+        for s in range(2)
+    ]
     values, lengths = torch.tensor([1, 7, 9, 3, 4]), torch.tensor([2, 0, 3])
     parts = row_wise.route(values, lengths, pieces, TABLE)
     assert parts[0][0].tolist() == [1, 3, 4] and parts[0][1].tolist() == [1, 0, 2]
@@ -81,18 +96,34 @@ def test_row_wise_route_combine_split():
 
 
 def test_column_and_table_wise():
-    pieces = [Piece(table="t", table_index=0, server=s, kind="column_wise", row_start=0, rows=10, col_start=2 * s,
-                    dim=2) for s in range(2)]
+    pieces = [
+        Piece(
+            table="t",
+            table_index=0,
+            server=s,
+            kind="column_wise",
+            row_start=0,
+            rows=10,
+            col_start=2 * s,
+            dim=2,
+        )
+        for s in range(2)
+    ]
     values, lengths = torch.tensor([1, 2]), torch.tensor([1, 1])
     assert all(torch.equal(v, values) for v, _ in column_wise.route(values, lengths, pieces, TABLE))
     out = column_wise.combine([torch.zeros(2, 2), torch.ones(2, 2)], lengths, TABLE)
     assert out.tolist() == [[0, 0, 1, 1]] * 2
-    assert [g.shape[1] for g in column_wise.split_grad(torch.ones(2, 4), lengths, pieces, TABLE)] == [2, 2]
+    assert [
+        g.shape[1] for g in column_wise.split_grad(torch.ones(2, 4), lengths, pieces, TABLE)
+    ] == [2, 2]
     assert table_wise.route(values, lengths, pieces[:1], TABLE)[0][0] is values
 
 
 def test_id_payload_round_trip():
-    parts = [(torch.tensor([5, 6, 7]), torch.tensor([2, 1])), (torch.tensor([], dtype=torch.int64), torch.tensor([0, 0]))]
+    parts = [
+        (torch.tensor([5, 6, 7]), torch.tensor([2, 1])),
+        (torch.tensor([], dtype=torch.int64), torch.tensor([0, 0])),
+    ]
     payload = pack_ids(parts)
     back = unpack_ids(payload, batch=2, num_pieces=2)
     one_hot = pack_ids([(torch.tensor([4, 9]), torch.tensor([1, 1]))], torch.int32)
@@ -114,15 +145,21 @@ def test_dynamic_tables_split_by_rows_route_each_id_to_its_shared_row():
     starts, s_starts = torch.tensor(layout.row_starts), torch.tensor(layout.shared_starts)
     s_p = s_starts[1:] - s_starts[:-1]  # [P] shared rows of each piece: its first local rows
     assert bool(((shared >= starts[where]) & (shared < starts[where] + s_p[where])).all())
-    assert torch.bincount(where).tolist() == pytest.approx([20_000] * 3, rel=0.05)  # balanced by hash
+    # balanced by hash
+    assert torch.bincount(where).tolist() == pytest.approx([20_000] * 3, rel=0.05)
     # The trainer routes the raw ids there, unchanged (the server's map gives them rows).
     routed = hash_routed.route(ids, torch.ones(60_000, dtype=torch.int64), pieces, spec.tables[0])
     assert all(torch.equal(values, ids[where == i]) for i, (values, _) in enumerate(routed))
-    assert torch.equal(PieceLayout.of(10_000, dynamic).shared_row(ids), shared_rows_of(ids, 1000))  # one piece: hash % S
-    # Shared rows (so ids) in proportion to the blocks' rows: a short last block gets its share only.
+    # one piece: hash % S
+    assert torch.equal(PieceLayout.of(10_000, dynamic).shared_row(ids), shared_rows_of(ids, 1000))
+    # Shared rows (so ids) in proportion to the blocks' rows: a short last block gets its share
+    # only.
     short = PieceLayout.of(100, dynamic, 9)  # blocks of 12 rows, the last 4; S = 10
     assert torch.tensor(short.shared_starts).diff().tolist() == [2] + [1] * 8
     assert torch.tensor(short.row_starts).diff().tolist() == [12] * 8 + [4]
     tiny = FeatureSpec(dense=[], tables=[TableSpec(name="C2", rows=12, dim=8, dynamic=dynamic)])
-    with pytest.raises(ConfigError, match=r"table C2: 12 rows with 1 shared row\(s\) cannot be split by rows in 2 blocks"):
+    with pytest.raises(
+        ConfigError,
+        match=r"table C2: 12 rows with 1 shared row\(s\) cannot be split by rows in 2 blocks",
+    ):
         plan_sharding(tiny, 2, "rowwise_adagrad", "row_wise")

@@ -13,8 +13,15 @@ def _report(out: str, state: tuple | None) -> None:
     """A rank's view: the variable and directory it runs with (``state``: adopted first)."""
     if state is not None:
         adopt_launcher_state(*state)
-    Path(out).write_text(json.dumps({"mark": os.environ.get("DLRM_TEST_MARK"), "gone": os.environ.get("DLRM_TEST_GONE"),
-                                     "cwd": os.getcwd()}))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "mark": os.environ.get("DLRM_TEST_MARK"),
+                "gone": os.environ.get("DLRM_TEST_GONE"),
+                "cwd": os.getcwd(),
+            }
+        )
+    )
 
 
 def _run(ctx, out: Path, state: tuple | None) -> dict:

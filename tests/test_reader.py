@@ -67,7 +67,9 @@ def test_several_files_are_one_stream(tmp_path, criteo_sample):
 @pytest.mark.parametrize("workers", [0, 1, 3])
 def test_batches_do_not_depend_on_workers_or_block_size(criteo_sample, workers):
     ref = collect(BatchLoader([criteo_sample / "test.txt"], SPEC, 128, num_workers=2))
-    got = collect(BatchLoader([criteo_sample / "test.txt"], SPEC, 128, num_workers=workers, block_bytes=5000))
+    got = collect(
+        BatchLoader([criteo_sample / "test.txt"], SPEC, 128, num_workers=workers, block_bytes=5000)
+    )
     for x, y in zip(ref[:3], got[:3], strict=True):
         assert torch.equal(x, y)
 
@@ -94,7 +96,10 @@ def test_malformed_lines_counted_and_skipped(tmp_path, caplog):
     assert labels.tolist() == [1, 0, 1]
     assert loader.bad_lines.count == 5
     assert loader.bad_lines.by_reason == {
-        "wrong field count": 1, "non-numeric dense value": 1, "bad hex categorical": 1, "bad label": 2,
+        "wrong field count": 1,
+        "non-numeric dense value": 1,
+        "bad hex categorical": 1,
+        "bad label": 2,
     }
     assert f"{path}:2" in loader.bad_lines.summary()
     warnings = [r for r in caplog.records if "malformed" in r.getMessage()]
@@ -143,7 +148,9 @@ def test_resume_from_any_position_continues_the_stream(criteo_sample):
         # Positions taken in a resumed run resume exactly too.
         if len(rest) > 2:
             again = list(BatchLoader(files, SPEC, 300, start=rest[1].position, **kw))
-            assert all(torch.equal(a.labels, b.labels) for a, b in zip(rest[2:], again, strict=True))
+            assert all(
+                torch.equal(a.labels, b.labels) for a, b in zip(rest[2:], again, strict=True)
+            )
     assert full[-1].position.epoch == 1
 
 
@@ -160,7 +167,9 @@ def test_multi_hot_bags(tmp_path):
     spec = criteo_spec([100] * 26, [4] * 26, separator=",")
     cats = ["a,b,c", "", *[f"{i:x}" for i in range(24)]]
     path = tmp_path / "mh.txt"
-    path.write_text(line(cats=cats) + line(cats=["ff", "1,2", *["0"] * 24]) + line(cats=["q"] + ["0"] * 25))
+    path.write_text(
+        line(cats=cats) + line(cats=["ff", "1,2", *["0"] * 24]) + line(cats=["q"] + ["0"] * 25)
+    )
     loader = BatchLoader([path], spec, 10)
     (batch,) = list(loader)
     assert loader.bad_lines.count == 1  # "q" is not hex

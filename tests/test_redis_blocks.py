@@ -14,14 +14,27 @@ from embedding_server.wire import ModelVersion, row_bytes
 from .redis_server import RedisServer
 
 
-def meta_for(version: str, rows: int = 5000, dim: int = 16, row_dtype: str = "fp32") -> ModelVersion:
-    tables = [TableSpec(name="a", rows=rows, dim=dim), TableSpec(name="b", rows=rows // 2 + 7, dim=dim)]
-    spec = FeatureSpec(tables=tables, categorical=[CategoricalFeature(kind="categorical", name=t.name, table=t.name)
-                                                 for t in tables])
-    return ModelVersion(version=version, spec=spec, model={}, embedding_dim=dim, row_dtype=row_dtype)
+def meta_for(
+    version: str, rows: int = 5000, dim: int = 16, row_dtype: str = "fp32"
+) -> ModelVersion:
+    tables = [
+        TableSpec(name="a", rows=rows, dim=dim),
+        TableSpec(name="b", rows=rows // 2 + 7, dim=dim),
+    ]
+    spec = FeatureSpec(
+        tables=tables,
+        categorical=[
+            CategoricalFeature(kind="categorical", name=t.name, table=t.name) for t in tables
+        ],
+    )
+    return ModelVersion(
+        version=version, spec=spec, model={}, embedding_dim=dim, row_dtype=row_dtype
+    )
 
 
-def write_version(store, meta: ModelVersion, chunk: int = 777, keep_every: int = 0) -> dict[str, np.ndarray]:
+def write_version(
+    store, meta: ModelVersion, chunk: int = 777, keep_every: int = 0
+) -> dict[str, np.ndarray]:
     """Random rows in chunks that do not line up with blocks; -> the rows written, by table."""
     rng = np.random.default_rng(0)
     out = {}
@@ -30,7 +43,9 @@ def write_version(store, meta: ModelVersion, chunk: int = 777, keep_every: int =
             out[t.name] = rng.normal(size=(t.rows, t.dim)).astype(np.float32)
             for start in range(0, t.rows, chunk):
                 part = out[t.name][start : start + chunk]
-                keep = (np.arange(start, start + len(part)) % keep_every == 0) if keep_every else None
+                keep = (
+                    (np.arange(start, start + len(part)) % keep_every == 0) if keep_every else None
+                )
                 writer.write_rows(t.name, start, part, keep)
         writer.write_dense({})
         writer.commit()
@@ -103,11 +118,13 @@ def test_a_full_redis_collects_old_versions_first(tmp_path):
         write_version(store, meta_for("v1", rows=40_000))
         write_version(store, meta_for("v2", rows=40_000))
         used = admin.info("memory")["used_memory"]
-        admin.config_set("maxmemory", used + 3_000_000)  # room for one more version only after collecting
+        # room for one more version only after collecting
+        admin.config_set("maxmemory", used + 3_000_000)
         admin.config_set("maxmemory-policy", "noeviction")
         write_version(store, meta_for("v3", rows=40_000))
         assert store.current_version() == "v3"
-        assert store.list_versions() == ["v2", "v3"]  # v1 collected; v2 was current while v3 was written
+        # v1 collected; v2 was current while v3 was written
+        assert store.list_versions() == ["v2", "v3"]
         assert store.get_rows("v3", "a", np.array([1]))[1].all()
     finally:
         server.stop(save=False)

@@ -1,4 +1,5 @@
-"""Schema inference (dlrm_core/schema_inference.py, `dlrm data schema`): the decisions and their reasons
+"""Schema inference (dlrm_core/schema_inference.py, `dlrm data schema`): the decisions and their
+reasons
 on generated CSV, TSV and Parquet files and on the real Avazu and Criteo samples, the errors, and
 a written config that loads, resolves and reads its data."""
 
@@ -36,9 +37,21 @@ def table_rows_of(n: int = ROWS, seed: int = 0) -> list[list[str]]:
     for i in range(n):
         bag = rng.choice(tags, size=rng.integers(0, 4), replace=False)
         visits = "" if rng.random() < 0.2 else str(int(rng.geometric(0.3)) - 1)
-        price = "" if rng.random() < 0.1 else f"{rng.normal(20, 5):.4f}"  # unique, yet a number, not an id
-        rows.append([f"u{i:05d}", str(rng.choice(cities)), str(int(rng.random() < 0.3)), "|".join(bag), visits,
-                     price, str(int(rng.integers(5000, 5040))), "", str(rng.choice([0, 2, 7]))])
+        # unique, yet a number, not an id
+        price = "" if rng.random() < 0.1 else f"{rng.normal(20, 5):.4f}"
+        rows.append(
+            [
+                f"u{i:05d}",
+                str(rng.choice(cities)),
+                str(int(rng.random() < 0.3)),
+                "|".join(bag),
+                visits,
+                price,
+                str(int(rng.integers(5000, 5040))),
+                "",
+                str(rng.choice([0, 2, 7])),
+            ]
+        )
     return rows
 
 
@@ -77,16 +90,25 @@ def read_all(config_path, files):
 
 def test_generated_csv_decisions(table_csv):
     schema = infer_schema([table_csv], "click")
-    assert kinds(schema) == {"user_id": "ignored", "city": "categorical", "click": "label", "tags": "categorical",
-                             "visits": "dense", "price": "dense", "store": "categorical", "notes": "ignored",
-                             "slot": "categorical"}
+    assert kinds(schema) == {
+        "user_id": "ignored",
+        "city": "categorical",
+        "click": "label",
+        "tags": "categorical",
+        "visits": "dense",
+        "price": "dense",
+        "store": "categorical",
+        "notes": "ignored",
+        "slot": "categorical",
+    }
     why = {d.column: d.why for d in schema.decisions}
     assert why["user_id"].startswith("unique per row") and why["notes"] == "always empty"
     assert "codes" in why["store"] and "counts" in why["visits"]
     f = features(schema)
     assert f["tags"]["separator"] == "|" and f["tags"]["encoding"] == "string"
     assert f["visits"]["transform"] == "log1p" and f["price"]["transform"] == "standardize"
-    assert f["city"]["rows"] == 10 and f["slot"]["rows"] == 10 and f["store"]["rows"] == 100  # 2x distinct, rounded up
+    # 2x distinct, rounded up
+    assert f["city"]["rows"] == 10 and f["slot"]["rows"] == 10 and f["store"]["rows"] == 100
     assert f["tags"]["rows"] == 50  # 12 distinct tags
     assert all("column" not in feat for feat in f.values())  # names are the header's
     doc = schema.config()
@@ -118,8 +140,14 @@ def test_gzip_and_headerless_tsv(tmp_path):
     doc = schema.config()
     assert (doc["format"], doc["label"], doc["header"]) == ("tsv", 2, False)
     f = features(schema)
-    assert f["c3"] == {"kind": "categorical", "name": "c3", "column": 3, "encoding": "string", "rows": 50,
-                       "separator": "|"}
+    assert f["c3"] == {
+        "kind": "categorical",
+        "name": "c3",
+        "column": 3,
+        "encoding": "string",
+        "rows": 50,
+        "separator": "|",
+    }
     assert f["c4"]["transform"] == "log1p" and 7 in doc["ignore"]
     out = tmp_path / "tsv.toml"
     out.write_text(schema.to_toml("test"))
@@ -136,14 +164,23 @@ def test_sample_spans_files_and_a_test_file_without_header(tmp_path):
 
 
 def test_overrides(table_csv):
-    schema = infer_schema([table_csv], "click", ignore=["city"], categorical=["user_id", "visits"], dense=["slot"])
+    schema = infer_schema(
+        [table_csv], "click", ignore=["city"], categorical=["user_id", "visits"], dense=["slot"]
+    )
     k, why = kinds(schema), {d.column: d.why for d in schema.decisions}
-    assert (k["city"], k["user_id"], k["visits"], k["slot"]) == ("ignored", "categorical", "categorical", "dense")
+    assert (k["city"], k["user_id"], k["visits"], k["slot"]) == (
+        "ignored",
+        "categorical",
+        "categorical",
+        "dense",
+    )
     assert why["user_id"] == "forced by --categorical" and why["slot"] == "forced by --dense"
     assert features(schema)["user_id"]["rows"] == 1_000_000  # every value new: the cap
     capped = infer_schema([table_csv], "click", categorical=["user_id"], max_rows=5000)
     assert features(capped)["user_id"]["rows"] == 5000
-    with pytest.raises(DataError, match=r"column 'city' is not numeric \(e.g. '\w+'\): it cannot be --dense"):
+    with pytest.raises(
+        DataError, match=r"column 'city' is not numeric \(e.g. '\w+'\): it cannot be --dense"
+    ):
         infer_schema([table_csv], "click", dense=["city"])
     with pytest.raises(ConfigError, match="given to both --ignore and --dense"):
         infer_schema([table_csv], "click", ignore=["price"], dense=["price"])
@@ -152,7 +189,9 @@ def test_overrides(table_csv):
 def test_unknown_column_suggests_a_name(table_csv):
     with pytest.raises(DataError, match=r"train.csv: no column 'clik' \(did you mean 'click'\?\)"):
         infer_schema([table_csv], "clik")
-    with pytest.raises(DataError, match=r"no column 'prise' \(did you mean 'price'\?\); --dense takes one of"):
+    with pytest.raises(
+        DataError, match=r"no column 'prise' \(did you mean 'price'\?\); --dense takes one of"
+    ):
         infer_schema([table_csv], "click", dense=["prise"])
 
 
@@ -169,21 +208,31 @@ def test_label_not_0_1_names_file_line_and_value(tmp_path):
 def test_parquet_lists_ints_floats(tmp_path):
     rng = np.random.default_rng(1)
     n = 500
-    tags = [[f"t{j}" for j in rng.choice(8, size=rng.integers(0, 3), replace=False)] for _ in range(n)]
-    table = pa.table({
-        "item": pa.array(rng.integers(100_000, 100_050, n), pa.int64()),
-        "label": pa.array(rng.random(n) < 0.2),
-        "tags": pa.array(tags, pa.list_(pa.string())),
-        "score": pa.array(rng.lognormal(0, 1.5, n), pa.float64()),
-        "country": pa.array(rng.choice(["fr", "de", None], n), pa.string()),
-    })
+    tags = [
+        [f"t{j}" for j in rng.choice(8, size=rng.integers(0, 3), replace=False)] for _ in range(n)
+    ]
+    table = pa.table(
+        {
+            "item": pa.array(rng.integers(100_000, 100_050, n), pa.int64()),
+            "label": pa.array(rng.random(n) < 0.2),
+            "tags": pa.array(tags, pa.list_(pa.string())),
+            "score": pa.array(rng.lognormal(0, 1.5, n), pa.float64()),
+            "country": pa.array(rng.choice(["fr", "de", None], n), pa.string()),
+        }
+    )
     path = tmp_path / "train.parquet"
     pq.write_table(table, path, row_group_size=128)
     schema = infer_schema([path], "label")
-    assert kinds(schema) == {"item": "categorical", "label": "label", "tags": "categorical", "score": "dense",
-                             "country": "categorical"}
+    assert kinds(schema) == {
+        "item": "categorical",
+        "label": "label",
+        "tags": "categorical",
+        "score": "dense",
+        "country": "categorical",
+    }
     f = features(schema)
-    assert "separator" not in f["tags"] and f["tags"]["rows"] == 20  # a list column is multi-hot as it is
+    # a list column is multi-hot as it is
+    assert "separator" not in f["tags"] and f["tags"]["rows"] == 20
     assert f["score"]["transform"] == "log1p" and f["item"]["rows"] == 100
     assert schema.config()["format"] == "parquet" and "header" not in schema.config()
     assert {d.column: d.details for d in schema.decisions}["tags"] == "string, 20 rows, lists"
@@ -209,7 +258,12 @@ def test_criteo_sample_counts_and_categoricals():
     assert schema.sample.format == "criteo" and schema.config()["label"] == 0
     k = [d.kind for d in schema.decisions]
     assert k == ["label"] + ["dense"] * 13 + ["categorical"] * 26
-    assert features(schema)["c5"] == {"kind": "dense", "name": "c5", "column": 5, "transform": "log1p"}
+    assert features(schema)["c5"] == {
+        "kind": "dense",
+        "name": "c5",
+        "column": 5,
+        "transform": "log1p",
+    }
 
 
 def test_table_rows():
@@ -221,9 +275,11 @@ def test_table_rows():
 def test_header_format_and_counts_heuristics():
     assert looks_like_header(["id", "click", "site"], [["1", "0", "a"], ["2", "1", "b"]])
     assert not looks_like_header(["1", "0", "a"], [["2", "1", "b"]])
-    assert not looks_like_header(["a", "b"], [["a", "c"], ["a", "d"]])  # a "name" recurring as a value
-    assert [detect_format(Path(p)) for p in ("a.csv.gz", "b.pq", "c.txt", "d.tsv.gz", "e.parquet")] == [
-        "csv", "parquet", "tsv", "tsv", "parquet"]
+    # a "name" recurring as a value
+    assert not looks_like_header(["a", "b"], [["a", "c"], ["a", "d"]])
+    assert [
+        detect_format(Path(p)) for p in ("a.csv.gz", "b.pq", "c.txt", "d.tsv.gz", "e.parquet")
+    ] == ["csv", "parquet", "tsv", "tsv", "parquet"]
     rng = np.random.default_rng(2)
     counts = rng.geometric(0.4, 5000) - 1.0
     daily = 1.1 + np.sin(2 * np.pi * (np.arange(24) - 9) / 24)
@@ -234,13 +290,20 @@ def test_header_format_and_counts_heuristics():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "dlrm_cli.py", "data", "schema", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "dlrm_cli.py", "data", "schema", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_prints_the_table_and_writes_a_config(table_csv, tmp_path):
     out = tmp_path / "cfg.toml"
-    proc = run_cli(table_csv, "--label", "click", "--ignore", "city", "--dense", "slot", "--out", out)
+    proc = run_cli(
+        table_csv, "--label", "click", "--ignore", "city", "--dense", "slot", "--out", out
+    )
     assert proc.returncode == 0, proc.stderr
     assert "| column | kind | details | why |" in proc.stdout
     assert "| tags | categorical | string, 50 rows, separator '\\|' | multi-hot:" in proc.stdout

@@ -49,7 +49,9 @@ def test_every_route_but_the_probes_needs_a_key(store_url):
     the model: /openapi.json, which does, needs a key)."""
     app = create_app(Settings(store=store_url, api_key=f"{K1}, {K2}"))
     routes = app.state.routes
-    assert {"/metrics", "/docs", "/openapi.json", "/v2/models/{name}/infer"} <= {p for p, _ in routes}
+    assert {"/metrics", "/docs", "/openapi.json", "/v2/models/{name}/infer"} <= {
+        p for p, _ in routes
+    }
     with TestClient(app) as client:
         for path, method in routes:
             r = client.request(method, concrete(path), content=b"{not json")
@@ -63,7 +65,11 @@ def test_every_route_but_the_probes_needs_a_key(store_url):
             r = client.get("/metrics", headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200
         assert client.get("/docs", headers={"Authorization": f"Bearer {K2}"}).status_code == 200
-        r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"Authorization": "Bearer k3-not-a-valid-key-at-all"})
+        r = client.post(
+            "/v1/models/dlrm:predict",
+            json={"instances": [GOOD]},
+            headers={"Authorization": "Bearer k3-not-a-valid-key-at-all"},
+        )
         assert r.status_code == 401 and r.json()["field"] == "Authorization"
         r = client.post("/v2/models/dlrm/infer", json={}, headers={"Authorization": f"Basic {K1}"})
         assert r.status_code == 401 and set(r.json()) == {"error"}  # the V2 error shape
@@ -77,10 +83,16 @@ def test_the_key_is_checked_before_the_body_is_read(store_url):
         yield json.dumps({"instances": [GOOD]}).encode()
 
     with TestClient(create_app(Settings(store=store_url, api_key=K1))) as client:
-        r = client.post("/v1/models/dlrm:predict", content=body(), headers={"content-type": "application/json"})
+        r = client.post(
+            "/v1/models/dlrm:predict", content=body(), headers={"content-type": "application/json"}
+        )
         assert r.status_code == 401
         assert read == []  # never pulled
-        r = client.post("/v1/models/dlrm:predict", content=b"x" * (32 << 20), headers={"content-type": "application/json"})
+        r = client.post(
+            "/v1/models/dlrm:predict",
+            content=b"x" * (32 << 20),
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 401  # not 413, not 422: nothing was parsed
 
 
@@ -88,8 +100,11 @@ def test_key_file_rotation_without_restart(store_url, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# current keys\nold-key-0123456789ab\n")
     with TestClient(create_app(Settings(store=store_url, api_key_file=keys))) as client:
+
         def status(key):
-            return client.get("/v1/models/dlrm", headers={"Authorization": f"Bearer {key}"}).status_code
+            return client.get(
+                "/v1/models/dlrm", headers={"Authorization": f"Bearer {key}"}
+            ).status_code
 
         assert status("old-key-0123456789ab") == 200 and status("new-key-0123456789ab") == 401
         keys.write_text("old-key-0123456789ab\nnew-key-0123456789ab\n")  # step 1: both
@@ -101,7 +116,8 @@ def test_key_file_rotation_without_restart(store_url, tmp_path):
         while status("old-key-0123456789ab") != 401 and time.time() < deadline + 5:
             time.sleep(0.2)
         assert status("old-key-0123456789ab") == 401 and status("new-key-0123456789ab") == 200
-        keys.write_text("")  # an emptied file keeps the keys it had (logged), never locks everyone out
+        # an emptied file keeps the keys it had (logged), never locks everyone out
+        keys.write_text("")
         time.sleep(1.2)
         assert status("new-key-0123456789ab") == 200
         keys.write_text("short\n")  # and so does one with a short key
@@ -118,7 +134,10 @@ def test_openapi_declares_the_bearer_scheme(store_url):
     with TestClient(create_app(Settings(store=store_url, api_key=K1))) as client:
         doc = client.get("/openapi.json", headers={"Authorization": f"Bearer {K1}"}).json()
     assert doc["components"]["securitySchemes"]["bearerAuth"] == {
-        "type": "http", "scheme": "bearer", "description": doc["components"]["securitySchemes"]["bearerAuth"]["description"]}
+        "type": "http",
+        "scheme": "bearer",
+        "description": doc["components"]["securitySchemes"]["bearerAuth"]["description"],
+    }
     assert doc["security"] == [{"bearerAuth": []}]
     assert doc["paths"]["/healthz"]["get"]["security"] == []
     assert doc["paths"]["/v2/health/ready"]["get"]["security"] == []
@@ -129,8 +148,10 @@ def test_openapi_declares_the_bearer_scheme(store_url):
 
 def test_redact_url():
     assert redact_url("redis://:s3cret@h:1/0") == "redis://:***@h:1/0"
-    assert redact_url("rediss://api:s3cret@h:1/0?ssl_ca_certs=/ca.pem&password=x") == \
-        "rediss://api:***@h:1/0?ssl_ca_certs=/ca.pem&password=***"
+    assert (
+        redact_url("rediss://api:s3cret@h:1/0?ssl_ca_certs=/ca.pem&password=x")
+        == "rediss://api:***@h:1/0?ssl_ca_certs=/ca.pem&password=***"
+    )
     assert redact_url("redis://h:1/0?prefix=m") == "redis://h:1/0?prefix=m"
     assert redact_url("file:///srv/store") == "file:///srv/store"
 
@@ -140,9 +161,13 @@ SECRET = "s3cr3t-Pa55w0rd"
 
 def _serve(args: list[str], port: int, env: dict, log_path) -> subprocess.Popen:
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, str(REPO / "dlrm_cli.py"), "serve", "--port", str(port), *args],
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env},
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "dlrm_cli.py"), "serve", "--port", str(port), *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -175,21 +200,42 @@ def test_a_store_password_appears_nowhere(tmp_path, trained_criteo, capfd):
     pw_file = tmp_path / "pw"
     pw_file.write_text(SECRET + "\n")
     seen = []
-    for i, (url, extra) in enumerate([(f"redis://:{SECRET}@127.0.0.1:{dead}/0", []),
-                                      (f"redis://dlrm@127.0.0.1:{dead}/0", ["--store-password-file", str(pw_file)])]):
+    for i, (url, extra) in enumerate(
+        [
+            (f"redis://:{SECRET}@127.0.0.1:{dead}/0", []),
+            (f"redis://dlrm@127.0.0.1:{dead}/0", ["--store-password-file", str(pw_file)]),
+        ]
+    ):
         port = free_port()
         log_path = tmp_path / f"serve{i}.log"
         workers = "2" if i == 0 else "1"
-        proc = _serve(["--store", url, "--workers", workers, "--log-level", "debug", "--access-log", *extra], port,
-                      {"DLRM_POLL_INTERVAL_S": "0.1", "DLRM_STORE_TIMEOUT_S": "0.2", "DLRM_LOG_FORMAT": "json"}, log_path)
+        proc = _serve(
+            ["--store", url, "--workers", workers, "--log-level", "debug", "--access-log", *extra],
+            port,
+            {
+                "DLRM_POLL_INTERVAL_S": "0.1",
+                "DLRM_STORE_TIMEOUT_S": "0.2",
+                "DLRM_LOG_FORMAT": "json",
+            },
+            log_path,
+        )
         try:
             _wait_http(port)
             base = f"http://127.0.0.1:{port}"
-            for method, path, body in [("POST", "/v1/models/dlrm:predict", {"instances": [GOOD]}),
-                                       ("POST", "/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}]}),
-                                       ("GET", "/v1/models/dlrm", None), ("GET", "/readyz", None),
-                                       ("GET", "/v2/health/ready", None), ("GET", "/openapi.json", None),
-                                       ("GET", "/metrics", None), ("GET", "/v2/models/dlrm", None)]:
+            for method, path, body in [
+                ("POST", "/v1/models/dlrm:predict", {"instances": [GOOD]}),
+                (
+                    "POST",
+                    "/v2/models/dlrm/infer",
+                    {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}]},
+                ),
+                ("GET", "/v1/models/dlrm", None),
+                ("GET", "/readyz", None),
+                ("GET", "/v2/health/ready", None),
+                ("GET", "/openapi.json", None),
+                ("GET", "/metrics", None),
+                ("GET", "/v2/models/dlrm", None),
+            ]:
                 r = httpx.request(method, base + path, json=body, timeout=5)
                 assert r.status_code < 500 or r.status_code == 503, (path, r.status_code, r.text)
                 seen.append(f"{path} {r.status_code} {dict(r.headers)} {r.text}")
@@ -199,11 +245,26 @@ def test_a_store_password_appears_nowhere(tmp_path, trained_criteo, capfd):
         text = log_path.read_text()
         assert "store refresh failed" in text and "unavailable" in text, text[-2000:]
         seen.append(text)
-    for cmd in (["publish", "--checkpoint", str(trained_criteo), "--store", f"redis://:{SECRET}@127.0.0.1:{dead}/0"],
-                ["store", "list", "--store", f"redis://:{SECRET}@127.0.0.1:{dead}/0"],
-                ["store", "gc", "--store", f"rediss://u:{SECRET}@127.0.0.1:{dead}/0"],
-                ["store", "list", "--store", f"redis://u@127.0.0.1:{dead}/0", "--store-password-file", str(pw_file)],
-                ["store", "list", "--store", f"bogus://:{SECRET}@x/0"]):
+    for cmd in (
+        [
+            "publish",
+            "--checkpoint",
+            str(trained_criteo),
+            "--store",
+            f"redis://:{SECRET}@127.0.0.1:{dead}/0",
+        ],
+        ["store", "list", "--store", f"redis://:{SECRET}@127.0.0.1:{dead}/0"],
+        ["store", "gc", "--store", f"rediss://u:{SECRET}@127.0.0.1:{dead}/0"],
+        [
+            "store",
+            "list",
+            "--store",
+            f"redis://u@127.0.0.1:{dead}/0",
+            "--store-password-file",
+            str(pw_file),
+        ],
+        ["store", "list", "--store", f"bogus://:{SECRET}@x/0"],
+    ):
         assert dlrm(["-v", *cmd]) == 2  # debug logging on: nothing may leak there either
         out, err = capfd.readouterr()
         assert err.strip().splitlines()[-1].startswith(f"dlrm {cmd[0]}: error:"), err
@@ -252,7 +313,9 @@ def test_rediss_to_a_tls_redis_server(tmp_path, trained_criteo, criteo_sample, c
         with pytest.raises(StoreUnavailable):
             plain.current_version()
         other_ca = make_certificates(tmp_path / "other")
-        wrong = open_store(f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={other_ca / 'ca.pem'}", timeout_s=0.5)
+        wrong = open_store(
+            f"rediss://127.0.0.1:{server.port}/0?ssl_ca_certs={other_ca / 'ca.pem'}", timeout_s=0.5
+        )
         with pytest.raises(StoreUnavailable, match="certificate verify failed|CERTIFICATE"):
             wrong.current_version()
     finally:
@@ -284,7 +347,9 @@ def test_compose_acl_the_api_user_only_reads(tmp_path, trained_criteo, criteo_sa
         with pytest.raises(StoreUnavailable, match="permission"):
             reader.delete_version("v2")
         assert writer.current_version() == "v1"
-        settings = Settings(store=reader_url, store_password_file=files["api-store-password"], poll_interval_s=0.1)
+        settings = Settings(
+            store=reader_url, store_password_file=files["api-store-password"], poll_interval_s=0.1
+        )
         with TestClient(create_app(settings)) as client:
             line = (criteo_sample / "test.txt").read_text().splitlines()[0]
             r = client.post("/v1/models/dlrm:predict_tsv", content=line)
@@ -294,7 +359,8 @@ def test_compose_acl_the_api_user_only_reads(tmp_path, trained_criteo, criteo_sa
             assert r.status_code == 200 and r.json()["model_version"] == "v2"
             assert "store_errors_total{" not in client.get("/metrics").text
         default = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=1)
-        with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):  # no default user
+        # no default user
+        with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
             default.get("dlrm:current")
     finally:
         server.stop(save=False)

@@ -51,20 +51,35 @@ def test_metric_values_follow_the_traffic(redis_server, trained_criteo, criteo_s
     with TestClient(create_app(Settings(store=url, poll_interval_s=0.1))) as client:
         before = client.get("/metrics").text
         for _ in range(3):
-            assert client.post("/v1/models/dlrm:predict", json={"instances": [GOOD, GOOD]}).status_code == 200
+            assert (
+                client.post("/v1/models/dlrm:predict", json={"instances": [GOOD, GOOD]}).status_code
+                == 200
+            )
         assert client.post("/v1/models/dlrm:predict_tsv", content=line).status_code == 200
-        v2 = {"inputs": [{"name": "C1", "shape": [3], "datatype": "BYTES", "data": ["a1", "b2", "c3"]}]}
+        v2 = {
+            "inputs": [
+                {"name": "C1", "shape": [3], "datatype": "BYTES", "data": ["a1", "b2", "c3"]}
+            ]
+        }
         assert client.post("/v2/models/dlrm/infer", json=v2).status_code == 200
         assert client.post("/v1/models/dlrm:predict", json={"instances": []}).status_code == 422
         assert client.get("/v1/models/nope").status_code == 404
         assert client.get("/no/such/path").status_code == 404
         after = client.get("/metrics").text
         # A live update: the generation and the lag gauges move once the replica applies it.
-        open_store(url).update_rows("v1", {"C1": (np.array([1, 2, 3]), np.zeros((3, 8), np.float32))})
+        open_store(url).update_rows(
+            "v1", {"C1": (np.array([1, 2, 3]), np.zeros((3, 8), np.float32))}
+        )
         deadline = time.time() + 5
-        while value(live := client.get("/metrics").text, "dlrm_model_generation") != 1 and time.time() < deadline:
+        while (
+            value(live := client.get("/metrics").text, "dlrm_model_generation") != 1
+            and time.time() < deadline
+        ):
             time.sleep(0.05)
-    assert value(live, "dlrm_model_generation") == 1 and value(live, "dlrm_live_row_updates_total") == 3
+    assert (
+        value(live, "dlrm_model_generation") == 1
+        and value(live, "dlrm_live_row_updates_total") == 3
+    )
     assert 0 <= value(live, "dlrm_live_update_lag_seconds") < 5
     latency = "dlrm_request_latency_seconds_count"
     assert value(before, latency, route=PREDICT, method="POST", status="200") == 0
@@ -72,18 +87,27 @@ def test_metric_values_follow_the_traffic(redis_server, trained_criteo, criteo_s
     assert value(after, latency, route=PREDICT, method="POST", status="422") == 1
     assert value(after, latency, route="/v2/models/{name}/infer", method="POST", status="200") == 1
     assert value(after, latency, route="/v1/models/{name}", method="GET", status="404") == 1
-    assert value(after, latency, route="unmatched", method="GET", status="404") == 1  # never the raw path
+    # never the raw path
+    assert value(after, latency, route="unmatched", method="GET", status="404") == 1
     assert value(after, "dlrm_batch_instances_count", input="instances") == 3
     assert value(after, "dlrm_batch_instances_sum", input="instances") == 6
     assert value(after, "dlrm_batch_instances_sum", input="lines") == 1
     assert value(after, "dlrm_batch_instances_sum", input="tensors") == 3
     # GOOD's rows were missed once, then hit: the ratio moves with the traffic.
     hits, misses = value(after, "dlrm_cache_hits_total"), value(after, "dlrm_cache_misses_total")
-    assert hits > 0 and misses > 0 and value(after, "dlrm_cache_hit_ratio") == pytest.approx(hits / (hits + misses))
-    # One store round trip per request that missed some row: the first predict, the line, the tensors.
+    assert (
+        hits > 0
+        and misses > 0
+        and value(after, "dlrm_cache_hit_ratio") == pytest.approx(hits / (hits + misses))
+    )
+    # One store round trip per request that missed some row: the first predict, the line, the
+    # tensors.
     lookups = "dlrm_store_seconds_count"
-    assert value(after, lookups, operation="lookup") - value(before, lookups, operation="lookup") == 3
-    assert value(live, lookups, operation="poll") > value(before, lookups, operation="poll")  # it kept polling
+    assert (
+        value(after, lookups, operation="lookup") - value(before, lookups, operation="lookup") == 3
+    )
+    # it kept polling
+    assert value(live, lookups, operation="poll") > value(before, lookups, operation="poll")
     assert value(after, "dlrm_model_version_info", version="v1") == 1
     assert 0 < value(after, "dlrm_model_age_seconds") < 3600
     assert 0 <= value(after, "dlrm_store_staleness_seconds") < 5
@@ -98,8 +122,23 @@ def test_two_workers_count_every_request(tmp_path, trained_criteo):
     port, metrics_dir = free_port(), tmp_path / "prom"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "dlrm_cli.py"), "serve", "--store", url, "--port", str(port),
-                             "--workers", "2"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "dlrm_cli.py"),
+            "serve",
+            "--store",
+            url,
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -110,18 +149,38 @@ def test_two_workers_count_every_request(tmp_path, trained_criteo):
                     break
             except httpx.HTTPError:
                 pass
-            assert time.time() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            assert time.time() < deadline and proc.poll() is None, (
+                tmp_path / "serve.log"
+            ).read_text()[-3000:]
             time.sleep(0.2)
         assert r.json()["workers"] == 2
         n = 40
         for _ in range(n):  # a new connection each: the kernel spreads them over the workers
-            assert httpx.post(base + "/v1/models/dlrm:predict", json={"instances": [GOOD]}, timeout=10).status_code == 200
+            assert (
+                httpx.post(
+                    base + "/v1/models/dlrm:predict", json={"instances": [GOOD]}, timeout=10
+                ).status_code
+                == 200
+            )
         for _ in range(6):  # whichever worker answers, it counts every worker's requests
             text = httpx.get(base + "/metrics", timeout=10).text
-            assert value(text, "dlrm_request_latency_seconds_count", route=PREDICT, method="POST", status="200") == n
+            assert (
+                value(
+                    text,
+                    "dlrm_request_latency_seconds_count",
+                    route=PREDICT,
+                    method="POST",
+                    status="200",
+                )
+                == n
+            )
             assert value(text, "dlrm_batch_instances_sum", input="instances") == n
-        pids = {s.labels["pid"] for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == "process_resident_memory_bytes"}
+        pids = {
+            s.labels["pid"]
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "process_resident_memory_bytes"
+        }
         assert len(pids) == 2
         per_worker = {}
         for pid in pids:  # each worker's own files: both took part
@@ -131,8 +190,12 @@ def test_two_workers_count_every_request(tmp_path, trained_criteo):
                 shutil.copy(f, own)
             registry = CollectorRegistry()
             MultiProcessCollector(registry, path=str(own))
-            per_worker[pid] = sum(s.value for fam in registry.collect() for s in fam.samples
-                                  if s.name == "dlrm_batch_instances_count")
+            per_worker[pid] = sum(
+                s.value
+                for fam in registry.collect()
+                for s in fam.samples
+                if s.name == "dlrm_batch_instances_count"
+            )
         assert sum(per_worker.values()) == n and min(per_worker.values()) > 0, per_worker
     finally:
         proc.terminate()
@@ -153,28 +216,50 @@ def test_request_ids_json_logs_and_the_json_500(tmp_path, trained_criteo):
     api_log.setLevel(logging.INFO)
     try:
         with TestClient(create_app(Settings(store=url, access_log=True))) as client:
-            r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"X-Request-ID": "abc-123"})
+            r = client.post(
+                "/v1/models/dlrm:predict",
+                json={"instances": [GOOD]},
+                headers={"X-Request-ID": "abc-123"},
+            )
             assert r.status_code == 200 and r.headers["X-Request-ID"] == "abc-123"
             r = client.get("/healthz", headers={"X-Request-ID": "bad id forged: line"})
-            assert r.headers["X-Request-ID"] != "bad id forged: line" and len(r.headers["X-Request-ID"]) == 32
+            assert (
+                r.headers["X-Request-ID"] != "bad id forged: line"
+                and len(r.headers["X-Request-ID"]) == 32
+            )
             assert client.get("/x%0A12:00:00 INFO forged").status_code == 404  # logged on one line
 
             def boom(*_):
                 raise RuntimeError("a bug")
 
             client.app.state.service.score = boom
-            r = client.post("/v1/models/dlrm:predict", json={"instances": [GOOD]}, headers={"X-Request-ID": "req-500"})
+            r = client.post(
+                "/v1/models/dlrm:predict",
+                json={"instances": [GOOD]},
+                headers={"X-Request-ID": "req-500"},
+            )
             assert r.status_code == 500 and r.headers["content-type"] == "application/json"
-            assert r.json() == {"error": "internal server error", "field": None, "request_id": "req-500"}
-            r = client.post("/v2/models/dlrm/infer", json={"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32",
-                                                                       "data": [1]}]})
+            assert r.json() == {
+                "error": "internal server error",
+                "field": None,
+                "request_id": "req-500",
+            }
+            r = client.post(
+                "/v2/models/dlrm/infer",
+                json={"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}]},
+            )
             assert r.status_code == 500 and set(r.json()) == {"error", "request_id"}
     finally:
         api_log.removeHandler(handler)
         api_log.setLevel(old_level)
     records = [json.loads(line) for line in stream.getvalue().splitlines()]
     access = [r for r in records if r["logger"] == "api.access"]
-    assert {"method": "POST", "route": PREDICT, "status": 200, "request_id": "abc-123"}.items() <= access[0].items()
+    assert {
+        "method": "POST",
+        "route": PREDICT,
+        "status": 200,
+        "request_id": "abc-123",
+    }.items() <= access[0].items()
     crash = [r for r in records if r["level"] == "ERROR"]
     assert crash[0]["request_id"] == "req-500" and "RuntimeError: a bug" in crash[0]["exc"]
     assert any(r.get("request_id") == "req-500" and r["status"] == 500 for r in access)

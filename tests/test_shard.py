@@ -17,7 +17,9 @@ TABLES = [
     LocalTable(TableSpec(name="b", rows=30, dim=4, pooling="mean"), 1),
     LocalTable(TableSpec(name="c", rows=20, dim=12), 2),
 ]
-needs_fbgemm = pytest.mark.skipif(FBGEMM_IMPORT_ERROR is not None, reason="fbgemm_gpu not importable")
+needs_fbgemm = pytest.mark.skipif(
+    FBGEMM_IMPORT_ERROR is not None, reason="fbgemm_gpu not importable"
+)
 
 
 def torch_shard(tables, cfg, monkeypatch):
@@ -132,7 +134,9 @@ def test_duplicate_ids_are_summed_exactly(monkeypatch):
 
 
 def test_mean_pooling_and_empty_bags():
-    s = EmbeddingShard([LocalTable(TableSpec(name="t", rows=5, dim=4, pooling="mean"), 0)], SparseOptimizerConfig())
+    s = EmbeddingShard(
+        [LocalTable(TableSpec(name="t", rows=5, dim=4, pooling="mean"), 0)], SparseOptimizerConfig()
+    )
     w = s.table_weights()["t"]
     batch = SparseFeatures.from_lengths(torch.tensor([1, 2]), torch.tensor([[2, 0]]))
     out = s(batch)
@@ -144,7 +148,9 @@ def test_initialisation_does_not_depend_on_sharding():
     table = TableSpec(name="t", rows=200_000, dim=8)
     full = init_rows(LocalTable(table, 3), seed=7)
     assert full.abs().max() <= math.sqrt(1 / 200_000)
-    piece = init_rows(LocalTable(table, 3, row_start=65_000, rows=70_000, col_start=2, dim=4), seed=7)
+    piece = init_rows(
+        LocalTable(table, 3, row_start=65_000, rows=70_000, col_start=2, dim=4), seed=7
+    )
     torch.testing.assert_close(piece, full[65_000:135_000, 2:6], rtol=0, atol=0)
     assert not torch.equal(full, init_rows(LocalTable(table, 4), seed=7))
 

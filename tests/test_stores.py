@@ -118,7 +118,9 @@ def test_live_updates(store, trained_criteo):
     assert batch.dense_changed
     if store.remote:  # the file store needs no invalidation: readers map the written pages
         assert batch.rows["C2"].tolist() == [3, 9]
-    assert torch.equal(store.read_dense("live")["over_arch.model.0.weight"], bumped["over_arch.model.0.weight"])
+    assert torch.equal(
+        store.read_dense("live")["over_arch.model.0.weight"], bumped["over_arch.model.0.weight"]
+    )
 
 
 def test_missing_checkpoint_is_a_clear_error(store, tmp_path):

@@ -30,7 +30,9 @@ def read_table(out, fmt, split="train"):
     path = out / f"{split}.{fmt}"
     if fmt == "parquet":
         return pq.read_table(path)
-    return pcsv.read_csv(path, parse_options=pcsv.ParseOptions(delimiter="," if fmt == "csv" else "\t"))
+    return pcsv.read_csv(
+        path, parse_options=pcsv.ParseOptions(delimiter="," if fmt == "csv" else "\t")
+    )
 
 
 def reader(out, fmt, split="train"):
@@ -43,7 +45,12 @@ def reader(out, fmt, split="train"):
 @pytest.mark.parametrize("fmt", ["csv", "tsv", "parquet"])
 def test_files_rows_and_label_in_the_middle(tables, fmt):
     out = tables[fmt]
-    assert {p.name for p in out.iterdir()} == {f"train.{fmt}", f"test.{fmt}", "bayes.json", "schema.toml"}
+    assert {p.name for p in out.iterdir()} == {
+        f"train.{fmt}",
+        f"test.{fmt}",
+        "bayes.json",
+        "schema.toml",
+    }
     train, test = read_table(out, fmt), read_table(out, fmt, "test")
     assert (train.num_rows, test.num_rows) == (TRAIN, TEST)
     assert train.column_names == COLUMNS
@@ -51,7 +58,15 @@ def test_files_rows_and_label_in_the_middle(tables, fmt):
     ids = np.concatenate([train.column("row_id").to_numpy(), test.column("row_id").to_numpy()])
     assert len(np.unique(ids)) == TRAIN + TEST
     bayes = json.loads((out / "bayes.json").read_text())
-    assert {"test_auc", "test_logloss", "test_ctr", "train_rows", "test_rows", "seed", "note"} <= set(bayes)
+    assert {
+        "test_auc",
+        "test_logloss",
+        "test_ctr",
+        "train_rows",
+        "test_rows",
+        "seed",
+        "note",
+    } <= set(bayes)
     assert (bayes["train_rows"], bayes["test_rows"], bayes["seed"]) == (TRAIN, TEST, SEED)
 
 
@@ -65,8 +80,9 @@ def test_gaps_and_multi_hot(tables):
     sizes = np.array([len(b) for b in bags])
     assert sizes.max() == 4 and (sizes == 0).any() and (sizes >= 2).any()
     assert all(len(set(b)) == len(b) for b in bags)  # distinct tags in a bag
-    assert (t.column("clicks_7d").to_numpy(zero_copy_only=False) >= 0)[~np.isnan(
-        t.column("clicks_7d").to_numpy(zero_copy_only=False))].all()
+    assert (t.column("clicks_7d").to_numpy(zero_copy_only=False) >= 0)[
+        ~np.isnan(t.column("clicks_7d").to_numpy(zero_copy_only=False))
+    ].all()
     assert len(set(t.column("device").to_pylist())) <= 30
     hours = t.column("hour").to_numpy()
     assert hours.min() >= 0 and hours.max() <= 23
@@ -74,7 +90,7 @@ def test_gaps_and_multi_hot(tables):
     # The CSV text: empty cells, |-joined bags, quoted cells with a comma or a doubled quote.
     text = (tables["csv"] / "train.csv").read_text()
     assert ",," in text and "|" in text
-    assert any(f'"{tag}' in text or f'|{tag}' in text for tag in ("food, drink", "home, garden"))
+    assert any(f'"{tag}' in text or f"|{tag}" in text for tag in ("food, drink", "home, garden"))
     assert '24"" screens' in text
 
 
@@ -136,14 +152,30 @@ def test_deterministic_per_seed(tmp_path, tables):
     ref = (tables["csv"] / "train.csv").read_bytes()
     assert (tmp_path / "again" / "train.csv").read_bytes() == ref
     assert (tmp_path / "other" / "train.csv").read_bytes() != ref
-    assert (tmp_path / "again" / "bayes.json").read_text() == (tables["csv"] / "bayes.json").read_text()
+    assert (tmp_path / "again" / "bayes.json").read_text() == (
+        tables["csv"] / "bayes.json"
+    ).read_text()
 
 
 def test_cli_format_flag(tmp_path, capsys):
     p = argparse.ArgumentParser()
     add_data_parser(p.add_subparsers(dest="command"))
-    args = p.parse_args(["data", "synth", "--format", "tsv", "--train-rows", "500", "--test-rows", "200",
-                         "--out", str(tmp_path), "--seed", "1"])
+    args = p.parse_args(
+        [
+            "data",
+            "synth",
+            "--format",
+            "tsv",
+            "--train-rows",
+            "500",
+            "--test-rows",
+            "200",
+            "--out",
+            str(tmp_path),
+            "--seed",
+            "1",
+        ]
+    )
     assert args.func(args) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "tsv"
     assert (tmp_path / "train.tsv").exists() and (tmp_path / "schema.toml").exists()

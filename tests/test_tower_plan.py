@@ -15,8 +15,12 @@ from embedding_server.towers.report import cost_balance, describe_towers, kept_s
 
 
 def _spec(n: int = 6) -> FeatureSpec:
-    feats = [CategoricalFeature(kind="categorical", name=f"C{i + 1}", rows=10 * (i + 1), dim=4 + 4 * (i % 2))
-             for i in range(n)]
+    feats = [
+        CategoricalFeature(
+            kind="categorical", name=f"C{i + 1}", rows=10 * (i + 1), dim=4 + 4 * (i % 2)
+        )
+        for i in range(n)
+    ]
     return build_spec([DenseFeature(kind="dense", name="I1"), *feats], "csv", label="y")
 
 

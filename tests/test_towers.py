@@ -37,7 +37,9 @@ def files(d):
 
 
 def write_plan(path, k=2, compress=None, interleaved=False):
-    groups = [list(range(t, 26, k)) for t in range(k)] if interleaved else contiguous_towers(NAMES, k)
+    groups = (
+        [list(range(t, 26, k)) for t in range(k)] if interleaved else contiguous_towers(NAMES, k)
+    )
     make_plan(NAMES, groups, "manual", compress).save(path)
     return str(path)
 
@@ -68,7 +70,8 @@ def test_tower_module_identity_and_compression():
     assert out.shape == (5, 2, 8)
     out.sum().backward()
     assert m.mix.grad is not None and m.pairs.weight.shape == (16, 6)
-    assert torch.allclose(out, torch.stack([z[:, :2].sum(1), z[:, 2:].sum(1)], 1) / 2**0.5)  # at start: group sums
+    # at start: group sums
+    assert torch.allclose(out, torch.stack([z[:, :2].sum(1), z[:, 2:].sum(1)], 1) / 2**0.5)
 
 
 def test_layout_places_each_tower_on_its_own_servers(tmp_path):
@@ -90,7 +93,9 @@ def test_layout_places_each_tower_on_its_own_servers(tmp_path):
         TowerLayout(plan, mean, 4, 1).sharding("rowwise_adagrad", "row_wise")
 
 
-# -- real processes ----------------------------------------------------------------------------------
+# -- real processes
+# ----------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_identity_towers_hierarchical_match_one_process(synth_small, tmp_path):
@@ -98,9 +103,19 @@ def test_identity_towers_hierarchical_match_one_process(synth_small, tmp_path):
     features); with 2 emulated hosts, 2 servers per tower (the intra-tower exchange) and the
     hierarchical all-to-all, losses match one process."""
     over = {"train": {"log_step_losses": True, "max_steps": 40, "batch_size": 256}}
-    single = Trainer(tiny_config(**over, data={"interleave": 2}), tmp_path / "single").fit(*files(synth_small))
-    cfg = tiny_config(**over, dist={"embedding_servers": 4, "trainers": 2, "hosts": 2, "hierarchical": True,
-                                    "towers": write_plan(tmp_path / "id.json", interleaved=True)})
+    single = Trainer(tiny_config(**over, data={"interleave": 2}), tmp_path / "single").fit(
+        *files(synth_small)
+    )
+    cfg = tiny_config(
+        **over,
+        dist={
+            "embedding_servers": 4,
+            "trainers": 2,
+            "hosts": 2,
+            "hierarchical": True,
+            "towers": write_plan(tmp_path / "id.json", interleaved=True),
+        },
+    )
     towers = launch_local(cfg, *files(synth_small), tmp_path / "towers", resume=False)
     a, b = np.array(single["step_losses"]), np.array(towers["step_losses"])
     assert len(a) == len(b) == 40
@@ -113,14 +128,20 @@ def test_identity_towers_hierarchical_match_one_process(synth_small, tmp_path):
 def test_compressed_towers_checkpoint_resume_and_reshard(synth_small, tmp_path):
     plan = write_plan(tmp_path / "c2.json", compress=2)
     run = lambda servers, out, resume, **train: launch_local(  # noqa: E731
-        tiny_config(train={"log_step_losses": True, "batch_size": 256, **train},
-                    dist={"embedding_servers": servers, "trainers": 1, "towers": plan}),
-        *files(synth_small), tmp_path / out, resume=resume)
+        tiny_config(
+            train={"log_step_losses": True, "batch_size": 256, **train},
+            dist={"embedding_servers": servers, "trainers": 1, "towers": plan},
+        ),
+        *files(synth_small),
+        tmp_path / out,
+        resume=resume,
+    )
     full = run(2, "a", False)
     run(2, "b", False, max_steps=30)
     ckpt = latest_checkpoint(tmp_path / "b" / "checkpoints")
     assert (ckpt / "tower-0.pt").exists() and (ckpt / "tower-1.pt").exists()
-    shutil.copytree(tmp_path / "b", tmp_path / "c")  # the same 30 steps, resumed onto 4 servers below
+    # the same 30 steps, resumed onto 4 servers below
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
     resumed = run(2, "b", True)
     assert resumed["test_auc"] == full["test_auc"]
     assert resumed["step_losses"] == full["step_losses"][30:]
@@ -129,7 +150,10 @@ def test_compressed_towers_checkpoint_resume_and_reshard(synth_small, tmp_path):
     assert np.allclose(resharded["step_losses"], full["step_losses"][30:], rtol=1e-4)
     assert full["test_auc"] > 0.6
     # published, the tower model scores online as it scored offline
-    meta = publish_checkpoint(latest_checkpoint(tmp_path / "a" / "checkpoints"), open_store(f"file://{tmp_path / 'store'}"))
+    meta = publish_checkpoint(
+        latest_checkpoint(tmp_path / "a" / "checkpoints"),
+        open_store(f"file://{tmp_path / 'store'}"),
+    )
     assert meta.towers is not None and meta.towers["towers"][0]["compress"] == 2
     lines = (synth_small / "test.txt").read_text().splitlines()
     predictions = []
@@ -145,20 +169,61 @@ def test_compressed_towers_checkpoint_resume_and_reshard(synth_small, tmp_path):
 @pytest.mark.slow
 def test_plan_towers_cli_and_train_errors(synth_small, tmp_path):
     out = tmp_path / "plan.json"
-    r = subprocess.run([*DLRM, "plan-towers", "-k", "2", "--train", str(synth_small / "train.txt"), "--config",
-                        "configs/tiny.toml", "--warmup-rows", "5000", "--compress", "2", "--out", str(out)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            *DLRM,
+            "plan-towers",
+            "-k",
+            "2",
+            "--train",
+            str(synth_small / "train.txt"),
+            "--config",
+            "configs/tiny.toml",
+            "--warmup-rows",
+            "5000",
+            "--compress",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "kept interaction share" in r.stdout
     plan = TowerPlan.load(out)
-    assert plan.method == "interaction" and sorted(f for t in plan.towers for f in t.features) == sorted(NAMES)
+    assert plan.method == "interaction" and sorted(
+        f for t in plan.towers for f in t.features
+    ) == sorted(NAMES)
     assert all(t.outputs == 2 for t in plan.towers) and 0 < plan.kept_share <= 1
-    bad = subprocess.run([*DLRM, "plan-towers", "-k", "27", "--out", str(out), "--method", "random"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [*DLRM, "plan-towers", "-k", "27", "--out", str(out), "--method", "random"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "--towers 27" in bad.stderr
-    no_servers = subprocess.run([*DLRM, "train", "--train", str(synth_small / "train.txt"), "--test",
-                                 str(synth_small / "test.txt"), "--out", str(tmp_path / "x"), "--towers", str(out)],
-                                cwd=REPO, capture_output=True, text=True, timeout=60)
+    no_servers = subprocess.run(
+        [
+            *DLRM,
+            "train",
+            "--train",
+            str(synth_small / "train.txt"),
+            "--test",
+            str(synth_small / "test.txt"),
+            "--out",
+            str(tmp_path / "x"),
+            "--towers",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert no_servers.returncode != 0 and "--towers needs --embedding-servers" in no_servers.stderr
 
 
@@ -182,9 +247,17 @@ def _exchange_worker(rank, port, result_dir):
         flat.all_to_all(out_a, send, s[:, rank].tolist(), s[rank].tolist())
         hier.all_to_all(out_b, send, s[:, rank].tolist(), s[rank].tolist())
         ok &= torch.equal(out_a, out_b)
-    (result_dir / f"{rank}.json").write_text(json.dumps({
-        "ok": bool(ok), "flat": flat.stats["cross_host_bytes"], "hier": hier.stats["cross_host_bytes"],
-        "flat_msgs": flat.stats["cross_host_messages"], "hier_msgs": hier.stats["cross_host_messages"]}))
+    (result_dir / f"{rank}.json").write_text(
+        json.dumps(
+            {
+                "ok": bool(ok),
+                "flat": flat.stats["cross_host_bytes"],
+                "hier": hier.stats["cross_host_bytes"],
+                "flat_msgs": flat.stats["cross_host_messages"],
+                "hier_msgs": hier.stats["cross_host_messages"],
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -194,11 +267,15 @@ def test_hierarchical_all_to_all_equals_flat(tmp_path):
 
     from dense_trainer.distributed import free_port
 
-    mp.start_processes(_exchange_worker, args=(free_port(), tmp_path), nprocs=4, start_method="spawn")
+    mp.start_processes(
+        _exchange_worker, args=(free_port(), tmp_path), nprocs=4, start_method="spawn"
+    )
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
     assert all(r["ok"] for r in results)
-    assert sum(r["flat"] for r in results) == sum(r["hier"] for r in results) > 0  # same bytes cross
-    assert sum(r["hier_msgs"] for r in results) <= sum(r["flat_msgs"] for r in results)  # in fewer messages
+    # same bytes cross
+    assert sum(r["flat"] for r in results) == sum(r["hier"] for r in results) > 0
+    # in fewer messages
+    assert sum(r["hier_msgs"] for r in results) <= sum(r["flat_msgs"] for r in results)
 
 
 def test_pair_reliance_sees_only_pairs_the_model_uses():
@@ -212,12 +289,18 @@ def test_pair_reliance_sees_only_pairs_the_model_uses():
     first = model.over_arch.model[0]
     n, d = 5, 8
     rows, cols = torch.triu_indices(n, n, offset=1)
-    pair = {(int(r) - 1, int(c) - 1): k for k, (r, c) in enumerate(zip(rows, cols, strict=True)) if r > 0}
+    pair = {
+        (int(r) - 1, int(c) - 1): k
+        for k, (r, c) in enumerate(zip(rows, cols, strict=True))
+        if r > 0
+    }
     with torch.no_grad():
         first.weight[:, d + pair[(0, 1)]] = 0  # the over arch ignores C1 x C2
     table = torch.randn(4, 100, 8)
     ids = torch.randint(0, 100, (4, 256))
-    probe = Batch(dense=torch.randn(256, 13), sparse=SparseFeatures.one_hot(ids), labels=torch.zeros(256))
+    probe = Batch(
+        dense=torch.randn(256, 13), sparse=SparseFeatures.one_hot(ids), labels=torch.zeros(256)
+    )
     lookup = lambda sp: torch.cat([table[f][ids[f]] for f in range(4)], dim=1)  # noqa: E731
     s = pair_reliance(model, lookup, probe)
     assert s.shape == (4, 4) and np.allclose(s, s.T) and s[0, 1] == 0
@@ -227,10 +310,15 @@ def test_pair_reliance_sees_only_pairs_the_model_uses():
 def test_flat_hierarchical_route_across_emulated_hosts_matches_one_process(synth_small, tmp_path):
     """The flat model over the hierarchical all-to-all, a trainer and a server on each of 2
     emulated hosts (whose pairs cross hosts, where the point-to-point route would split its
-    messages in chunks: the collective route keeps one exchange per step): losses match one process."""
+    messages in chunks: the collective route keeps one exchange per step): losses match one
+    process."""
     over = {"train": {"log_step_losses": True, "max_steps": 30, "batch_size": 256}}
-    single = Trainer(tiny_config(**over, data={"interleave": 2}), tmp_path / "single").fit(*files(synth_small))
-    cfg = tiny_config(**over, dist={"embedding_servers": 2, "trainers": 2, "hosts": 2, "hierarchical": True})
+    single = Trainer(tiny_config(**over, data={"interleave": 2}), tmp_path / "single").fit(
+        *files(synth_small)
+    )
+    cfg = tiny_config(
+        **over, dist={"embedding_servers": 2, "trainers": 2, "hosts": 2, "hierarchical": True}
+    )
     flat = launch_local(cfg, *files(synth_small), tmp_path / "flat", resume=False)
     a, b = np.array(single["step_losses"]), np.array(flat["step_losses"])
     assert len(a) == len(b) == 30

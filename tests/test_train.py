@@ -23,7 +23,14 @@ def test_tiny_run_learns_fast(synth_medium, tmp_path):
     assert metrics["test_auc"] > 0.70, metrics["test_auc"]
     assert elapsed < 30, f"tiny run took {elapsed:.1f}s"
     written = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    for key in ["test_auc", "test_logloss", "train_samples_per_s", "samples_seen", "epochs", "config"]:
+    for key in [
+        "test_auc",
+        "test_logloss",
+        "train_samples_per_s",
+        "samples_seen",
+        "epochs",
+        "config",
+    ]:
         assert key in written
     assert written["samples_seen"] == 100_000 and written["epochs"] == 1
     assert written["bayes_auc"] > written["test_auc"]
@@ -40,8 +47,10 @@ def state_of(trainer: Trainer) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("sparse_opt", ["rowwise_adagrad", "adam"])
 def test_interrupted_and_resumed_run_matches_uninterrupted(synth_small, tmp_path, sparse_opt):
     files = ([synth_small / "train.txt"], [synth_small / "test.txt"])
-    over = {"train": {"epochs": 2, "batch_size": 1024, "checkpoint_every_steps": 7},
-            "embedding": {"optimizer": {"kind": sparse_opt}}}
+    over = {
+        "train": {"epochs": 2, "batch_size": 1024, "checkpoint_every_steps": 7},
+        "embedding": {"optimizer": {"kind": sparse_opt}},
+    }
     losses_a: list[float] = []
     a = Trainer(tiny_config(**over), tmp_path / "a")
     metrics_a = a.fit(*files, on_step=lambda step, loss: losses_a.append(loss))
@@ -91,6 +100,8 @@ def test_checkpoint_written_before_a_spec_field_existed_resumes(synth_small, tmp
     (path / "manifest.json").write_text(json.dumps(manifest))
     resumed = Trainer(tiny_config(train={"batch_size": 1024, "max_steps": 6}), tmp_path / "run")
     assert resumed.fit(*files, resume=True)["steps"] == 6
-    other = Trainer(tiny_config(train={"batch_size": 1024}, embedding={"hash_size": 1234}), tmp_path / "run")
+    other = Trainer(
+        tiny_config(train={"batch_size": 1024}, embedding={"hash_size": 1234}), tmp_path / "run"
+    )
     with pytest.raises(CheckpointError, match="feature_spec differs"):
         other.fit(*files, resume=True)

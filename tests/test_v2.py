@@ -50,7 +50,14 @@ def v2_inputs(lines, nested=False, int_categoricals=False):
     inputs = []
     for i in range(13):
         data, shape = shaped([int(r[1 + i]) if r[1 + i] else None for r in rows])
-        inputs.append({"name": f"I{i + 1}", "shape": shape, "datatype": "INT64" if i % 2 else "FP32", "data": data})
+        inputs.append(
+            {
+                "name": f"I{i + 1}",
+                "shape": shape,
+                "datatype": "INT64" if i % 2 else "FP32",
+                "data": data,
+            }
+        )
     for i in range(26):
         cells = [r[14 + i] or None for r in rows]
         if int_categoricals:
@@ -68,43 +75,79 @@ def test_v1_and_v2_give_identical_predictions(client, lines):
     expected = v1.json()["predictions"]
     for nested in (False, True):
         for ints in (False, True):
-            r = client.post("/v2/models/dlrm/infer", json={"id": "req-7", "inputs": v2_inputs(lines, nested, ints)})
+            r = client.post(
+                "/v2/models/dlrm/infer",
+                json={"id": "req-7", "inputs": v2_inputs(lines, nested, ints)},
+            )
             assert r.status_code == 200, r.text
             body = r.json()
             out = body["outputs"][0]
-            assert (out["name"], out["datatype"], out["shape"]) == ("predictions", "FP32", [len(lines)])
+            assert (out["name"], out["datatype"], out["shape"]) == (
+                "predictions",
+                "FP32",
+                [len(lines)],
+            )
             assert out["data"] == pytest.approx(expected, abs=1e-6)
-            assert body["model_name"] == "dlrm" and body["model_version"] == "new" and body["id"] == "req-7"
+            assert (
+                body["model_name"] == "dlrm"
+                and body["model_version"] == "new"
+                and body["id"] == "req-7"
+            )
             assert body["parameters"] == {"model_generation": 0}
     # Features left out are missing, as absent names of a V1 named instance.
-    r = client.post("/v2/models/dlrm/infer", json={"inputs": [{"name": "C1", "shape": [1], "datatype": "BYTES",
-                                                               "data": ["68fd1e64"]}]})
+    r = client.post(
+        "/v2/models/dlrm/infer",
+        json={"inputs": [{"name": "C1", "shape": [1], "datatype": "BYTES", "data": ["68fd1e64"]}]},
+    )
     v1 = client.post("/v1/models/dlrm:predict", json={"instances": [{"C1": "68fd1e64"}]})
     assert r.json()["outputs"][0]["data"] == pytest.approx(v1.json()["predictions"], abs=1e-6)
 
 
 def binary_request(inputs: list[dict], outputs_binary: bool) -> tuple[bytes, dict]:
     """A request in the binary extension's layout, as Triton's client writes it."""
-    raw, header = b"", {"inputs": [], "outputs": [{"name": "predictions",
-                                                   "parameters": {"binary_data": outputs_binary}}]}
+    raw, header = (
+        b"",
+        {
+            "inputs": [],
+            "outputs": [{"name": "predictions", "parameters": {"binary_data": outputs_binary}}],
+        },
+    )
     for t in inputs:
         if t["datatype"] == "BYTES":
-            blob = b"".join(struct.pack("<I", len(v.encode())) + v.encode() for v in (x or "" for x in t["data"]))
+            blob = b"".join(
+                struct.pack("<I", len(v.encode())) + v.encode()
+                for v in (x or "" for x in t["data"])
+            )
         else:
             dtype = {"FP32": "<f4", "INT64": "<i8"}[t["datatype"]]
-            values = [np.nan if v is None else v for v in t["data"]] if t["datatype"] == "FP32" else \
-                [v or 0 for v in t["data"]]
+            values = (
+                [np.nan if v is None else v for v in t["data"]]
+                if t["datatype"] == "FP32"
+                else [v or 0 for v in t["data"]]
+            )
             blob = np.asarray(values, dtype=dtype).tobytes()
-        header["inputs"].append({"name": t["name"], "shape": t["shape"], "datatype": t["datatype"],
-                                 "parameters": {"binary_data_size": len(blob)}})
+        header["inputs"].append(
+            {
+                "name": t["name"],
+                "shape": t["shape"],
+                "datatype": t["datatype"],
+                "parameters": {"binary_data_size": len(blob)},
+            }
+        )
         raw += blob
     head = json.dumps(header).encode()
-    return head + raw, {"Inference-Header-Content-Length": str(len(head)), "content-type": "application/octet-stream"}
+    return head + raw, {
+        "Inference-Header-Content-Length": str(len(head)),
+        "content-type": "application/octet-stream",
+    }
 
 
 def test_binary_tensor_extension(client, lines):
-    inputs = [t for t in v2_inputs(lines) if t["datatype"] != "INT64"]  # FP32 (NaN: missing) and BYTES
-    expected = client.post("/v2/models/dlrm/infer", json={"inputs": inputs}).json()["outputs"][0]["data"]
+    # FP32 (NaN: missing) and BYTES
+    inputs = [t for t in v2_inputs(lines) if t["datatype"] != "INT64"]
+    expected = client.post("/v2/models/dlrm/infer", json={"inputs": inputs}).json()["outputs"][0][
+        "data"
+    ]
     body, headers = binary_request(inputs, outputs_binary=False)
     r = client.post("/v2/models/dlrm/infer", content=body, headers=headers)
     assert r.status_code == 200, r.text
@@ -128,10 +171,15 @@ def test_health_metadata_and_versions(client, lines):
     assert meta["versions"] == ["old", "new"]
     assert meta["inputs"][0] == {"name": "I1", "datatype": "FP32", "shape": [-1]}
     assert meta["inputs"][13] == {"name": "C1", "datatype": "BYTES", "shape": [-1]}
-    assert len(meta["inputs"]) == 39 and meta["outputs"] == [{"name": "predictions", "datatype": "FP32", "shape": [-1]}]
+    assert len(meta["inputs"]) == 39 and meta["outputs"] == [
+        {"name": "predictions", "datatype": "FP32", "shape": [-1]}
+    ]
     r = client.post("/v2/models/dlrm/versions/old/infer", json={"inputs": v2_inputs(lines[:3])})
     assert r.status_code == 200 and r.json()["model_version"] == "old"
-    v1 = client.post("/v1/models/dlrm/versions/old:predict", json={"instances": [to_instance(x) for x in lines[:3]]})
+    v1 = client.post(
+        "/v1/models/dlrm/versions/old:predict",
+        json={"instances": [to_instance(x) for x in lines[:3]]},
+    )
     assert v1.json()["model_version"] == "old"
     assert r.json()["outputs"][0]["data"] == pytest.approx(v1.json()["predictions"], abs=1e-6)
     assert client.get("/v2/models/dlrm/versions/old/ready").json()["ready"] is True
@@ -139,38 +187,109 @@ def test_health_metadata_and_versions(client, lines):
     assert client.get("/v1/models").json() == {"models": ["dlrm"]}
 
 
-@pytest.mark.parametrize("path, body, status, starts", [
-    ("/v2/models/nope/infer", {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}]}, 404, "name:"),
-    ("/v2/models/dlrm/versions/gone/infer", {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}]},
-     404, "version:"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I99", "shape": [1], "datatype": "FP32", "data": [1]}]}, 422,
-     "inputs.0.name: unknown feature 'I99' (did you mean 'I9'?)"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [1], "datatype": "BYTES", "data": ["1"]}]}, 422,
-     "inputs.0.datatype"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "C1", "shape": [1], "datatype": "FP32", "data": [1]}]}, 422,
-     "inputs.0.datatype"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [2], "datatype": "FP32", "data": [1]}]}, 422,
-     "inputs.0.data: 1 values for shape [2]"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}, 422,
-     "inputs.0.shape"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]},
-                                          {"name": "I2", "shape": [2], "datatype": "FP32", "data": [1, 2]}]}, 422,
-     "inputs.1.shape"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]},
-                                          {"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}]}, 422,
-     "inputs.1.name"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "C3", "shape": [2], "datatype": "BYTES", "data": ["a1", "xyz"]}]}, 422,
-     "inputs.0.data.1"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [1], "datatype": "INT64", "data": [1.5]}]}, 422,
-     "inputs.0.data.0"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": ["a"]}]}, 422,
-     "inputs.0.data.0"),
-    ("/v2/models/dlrm/infer", {"inputs": []}, 422, "inputs"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}],
-                               "outputs": [{"name": "scores"}]}, 422, "outputs.0.name"),
-    ("/v2/models/dlrm/infer", {"inputs": [{"name": "I1", "shape": [5000], "datatype": "FP32", "data": [1] * 5000}]},
-     422, "inputs.0.shape"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, starts",
+    [
+        (
+            "/v2/models/nope/infer",
+            {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}]},
+            404,
+            "name:",
+        ),
+        (
+            "/v2/models/dlrm/versions/gone/infer",
+            {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}]},
+            404,
+            "version:",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {"inputs": [{"name": "I99", "shape": [1], "datatype": "FP32", "data": [1]}]},
+            422,
+            "inputs.0.name: unknown feature 'I99' (did you mean 'I9'?)",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {"inputs": [{"name": "I1", "shape": [1], "datatype": "BYTES", "data": ["1"]}]},
+            422,
+            "inputs.0.datatype",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {"inputs": [{"name": "C1", "shape": [1], "datatype": "FP32", "data": [1]}]},
+            422,
+            "inputs.0.datatype",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {"inputs": [{"name": "I1", "shape": [2], "datatype": "FP32", "data": [1]}]},
+            422,
+            "inputs.0.data: 1 values for shape [2]",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {"inputs": [{"name": "I1", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]},
+            422,
+            "inputs.0.shape",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {
+                "inputs": [
+                    {"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]},
+                    {"name": "I2", "shape": [2], "datatype": "FP32", "data": [1, 2]},
+                ]
+            },
+            422,
+            "inputs.1.shape",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {
+                "inputs": [
+                    {"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]},
+                    {"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]},
+                ]
+            },
+            422,
+            "inputs.1.name",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {"inputs": [{"name": "C3", "shape": [2], "datatype": "BYTES", "data": ["a1", "xyz"]}]},
+            422,
+            "inputs.0.data.1",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {"inputs": [{"name": "I1", "shape": [1], "datatype": "INT64", "data": [1.5]}]},
+            422,
+            "inputs.0.data.0",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {"inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": ["a"]}]},
+            422,
+            "inputs.0.data.0",
+        ),
+        ("/v2/models/dlrm/infer", {"inputs": []}, 422, "inputs"),
+        (
+            "/v2/models/dlrm/infer",
+            {
+                "inputs": [{"name": "I1", "shape": [1], "datatype": "FP32", "data": [1]}],
+                "outputs": [{"name": "scores"}],
+            },
+            422,
+            "outputs.0.name",
+        ),
+        (
+            "/v2/models/dlrm/infer",
+            {"inputs": [{"name": "I1", "shape": [5000], "datatype": "FP32", "data": [1] * 5000}]},
+            422,
+            "inputs.0.shape",
+        ),
+    ],
+)
 def test_errors_in_the_v2_shape(client, path, body, status, starts):
     r = client.post(path, json=body)
     assert r.status_code == status, r.text
@@ -191,11 +310,14 @@ def test_concurrent_small_infer_requests_are_batched_and_answer_as_alone(client,
     """Small infer requests arriving together are featurised on the event loop and coalesced by
     the batcher (``fastpath.Staged``): each answer as alone, with its own id, JSON or binary as
     asked."""
+
     def body(k: int) -> tuple[bytes, dict]:
         inputs = [t for t in v2_inputs([lines[k]]) if t["datatype"] != "INT64"]
         if k % 2:
             return binary_request(inputs, outputs_binary=True)
-        return json.dumps({"id": f"r{k}", "inputs": inputs}).encode(), {"content-type": "application/json"}
+        return json.dumps({"id": f"r{k}", "inputs": inputs}).encode(), {
+            "content-type": "application/json"
+        }
 
     def prediction(r) -> float:
         if r.headers["content-type"] == "application/octet-stream":
@@ -203,7 +325,10 @@ def test_concurrent_small_infer_requests_are_batched_and_answer_as_alone(client,
             return float(np.frombuffer(r.content[n:], "<f4")[0])
         return r.json()["outputs"][0]["data"][0]
 
-    alone = [prediction(client.post("/v2/models/dlrm/infer", content=body(k)[0], headers=body(k)[1])) for k in range(12)]
+    alone = [
+        prediction(client.post("/v2/models/dlrm/infer", content=body(k)[0], headers=body(k)[1]))
+        for k in range(12)
+    ]
     service = client.app.state.service
     score, sizes = service.score, []
 
@@ -216,8 +341,14 @@ def test_concurrent_small_infer_requests_are_batched_and_answer_as_alone(client,
     service.score = slow_first
     try:
         with ThreadPoolExecutor(12) as pool:
-            answers = list(pool.map(lambda k: client.post("/v2/models/dlrm/infer", content=body(k)[0],
-                                                          headers=body(k)[1]), range(12)))
+            answers = list(
+                pool.map(
+                    lambda k: client.post(
+                        "/v2/models/dlrm/infer", content=body(k)[0], headers=body(k)[1]
+                    ),
+                    range(12),
+                )
+            )
     finally:
         service.score = score
     assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers]
@@ -243,8 +374,12 @@ def test_a_pinned_version_is_loaded_off_the_event_loop(store_url, lines):
         inputs = v2_inputs(lines[:1])
         loop_thread = c.portal.call(lambda: threading.current_thread().name)
         with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda _: c.post("/v2/models/dlrm/versions/old/infer", json={"inputs": inputs}),
-                                    range(8)))
+            answers = list(
+                pool.map(
+                    lambda _: c.post("/v2/models/dlrm/versions/old/infer", json={"inputs": inputs}),
+                    range(8),
+                )
+            )
     assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
     assert {a.json()["model_version"] for a in answers} == {"old"}
     assert threads and loop_thread not in threads, (loop_thread, threads)

@@ -40,7 +40,8 @@ for mode, binary in (("binary", True), ("json", False)):
         tensors.append(tensor)
     wanted = [triton.InferRequestedOutput("predictions", binary_data=binary)]
     # (a fresh dict each call: tritonclient adds Inference-Header-Content-Length to the one given)
-    result = client.infer("dlrm", tensors, outputs=wanted, headers=dict(auth), request_id="triton-1")
+    result = client.infer("dlrm", tensors, outputs=wanted, headers=dict(auth),
+                          request_id="triton-1")
     out[mode] = result.as_numpy("predictions").tolist()
     out[mode + "_version"] = result.get_response()["model_version"]
 pinned = client.infer("dlrm", tensors, model_version="old", headers=dict(auth))
@@ -54,15 +55,32 @@ def test_tritons_own_client(store_url, lines, tmp_path):
     """tritonclient (Triton's HTTP client, binary tensors by default) against `dlrm serve`."""
     pytest.importorskip("tritonclient.http")
     rows = [line.split("\t") for line in lines[:16]]
-    features = [[f"I{i + 1}", "FP32", [float(r[1 + i]) if r[1 + i] else float("nan") for r in rows]] for i in range(13)]
+    features = [
+        [f"I{i + 1}", "FP32", [float(r[1 + i]) if r[1 + i] else float("nan") for r in rows]]
+        for i in range(13)
+    ]
     features += [[f"C{i + 1}", "BYTES", [r[14 + i] for r in rows]] for i in range(26)]
     (tmp_path / "rows.json").write_text(json.dumps(features))
     (tmp_path / "keys").write_text("triton-key-0123456789\n")
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, str(REPO / "dlrm_cli.py"), "serve", "--store", store_url, "--port", str(port),
-                             "--api-key-file", str(tmp_path / "keys")], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "dlrm_cli.py"),
+            "serve",
+            "--store",
+            store_url,
+            "--port",
+            str(port),
+            "--api-key-file",
+            str(tmp_path / "keys"),
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         base, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer triton-key-0123456789"}
         deadline = time.time() + 120
@@ -72,15 +90,36 @@ def test_tritons_own_client(store_url, lines, tmp_path):
                     break
             except httpx.HTTPError:
                 pass
-            assert time.time() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+            assert time.time() < deadline and proc.poll() is None, (
+                tmp_path / "serve.log"
+            ).read_text()[-2000:]
             time.sleep(0.2)
-        full = httpx.post(base + "/v1/models/dlrm:predict", headers=auth, timeout=10,
-                          json={"instances": [to_instance(x) for x in lines[:16]]}).json()["predictions"]
-        only_c = [{k: v for k, v in to_instance(x, named=True).items() if k.startswith("C")} for x in lines[:16]]
-        cats = httpx.post(base + "/v1/models/dlrm:predict", headers=auth, timeout=10,
-                          json={"instances": only_c}).json()["predictions"]
-        r = subprocess.run([sys.executable, "-c", TRITON_CLIENT, f"127.0.0.1:{port}", "triton-key-0123456789",
-                            str(tmp_path / "rows.json")], capture_output=True, text=True, timeout=120)
+        full = httpx.post(
+            base + "/v1/models/dlrm:predict",
+            headers=auth,
+            timeout=10,
+            json={"instances": [to_instance(x) for x in lines[:16]]},
+        ).json()["predictions"]
+        only_c = [
+            {k: v for k, v in to_instance(x, named=True).items() if k.startswith("C")}
+            for x in lines[:16]
+        ]
+        cats = httpx.post(
+            base + "/v1/models/dlrm:predict", headers=auth, timeout=10, json={"instances": only_c}
+        ).json()["predictions"]
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                TRITON_CLIENT,
+                f"127.0.0.1:{port}",
+                "triton-key-0123456789",
+                str(tmp_path / "rows.json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         got = json.loads(r.stdout)
     finally:

@@ -42,9 +42,17 @@ def test_store_cli_list_promote_gc(store_url, trained_criteo, capsys):
     capsys.readouterr()
     assert dlrm(["store", "list", "--store", store_url]) == 0
     listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(x["version"], x["current"]) for x in listed] == [("a", False), ("b", False), ("c", True)]
+    assert [(x["version"], x["current"]) for x in listed] == [
+        ("a", False),
+        ("b", False),
+        ("c", True),
+    ]
     assert dlrm(["store", "promote", "a", "--store", store_url]) == 0  # rollback
-    assert json.loads(capsys.readouterr().out) == {"current": "a", "previous": "c", "store": store.url}
+    assert json.loads(capsys.readouterr().out) == {
+        "current": "a",
+        "previous": "c",
+        "store": store.url,
+    }
     assert store.current_version() == "a"
     assert dlrm(["store", "promote", "zzz", "--store", store_url]) == 2
     err = capsys.readouterr().err
@@ -60,7 +68,9 @@ def test_store_cli_list_promote_gc(store_url, trained_criteo, capsys):
 def test_deleted_versions_raise_and_are_never_recreated(store_url, trained_criteo):
     store = open_store(store_url, keep_versions=1)
     publish_checkpoint(trained_criteo, store, version="old")
-    pusher = LivePusher(store, "old", [("C1", 0, 100)], lambda: [torch.ones(100, 8)], push_every_s=0)
+    pusher = LivePusher(
+        store, "old", [("C1", 0, 100)], lambda: [torch.ones(100, 8)], push_every_s=0
+    )
     pusher.mark(0, np.array([1, 2]))
     pusher.push_rows()
     publish_checkpoint(trained_criteo, store, version="new")  # keep 1: "old" is collected
@@ -77,7 +87,8 @@ def test_deleted_versions_raise_and_are_never_recreated(store_url, trained_crite
     pusher.close()
     assert pusher.gone and pusher.pushes == 1
     if store.remote:
-        assert list(store.client.scan_iter(match=store.key("v", "old", "*"))) == []  # no orphan keys
+        # no orphan keys
+        assert list(store.client.scan_iter(match=store.key("v", "old", "*"))) == []
     else:
         assert not (store.versions_dir / "old").exists()
     assert store.current_version() == "new" and store.list_versions() == ["new"]
@@ -91,8 +102,10 @@ def test_promotion_under_load_fails_no_request(store_url, trained_criteo):
     body = {"instances": [GOOD] * 4}
     answers, stop = [], threading.Event()
     with TestClient(create_app(Settings(store=store_url, poll_interval_s=0.05))) as client:
-        truth = {v: client.post(f"/v1/models/dlrm/versions/{v}:predict", json=body).json()["predictions"]
-                 for v in ("v1", "v2")}
+        truth = {
+            v: client.post(f"/v1/models/dlrm/versions/{v}:predict", json=body).json()["predictions"]
+            for v in ("v1", "v2")
+        }
         assert truth["v1"] != truth["v2"]
 
         def hammer():
@@ -121,16 +134,23 @@ def test_a_collected_version_never_yields_default_rows(redis_server, trained_cri
     store = open_store(url, keep_versions=5)
     publish_checkpoint(trained_criteo, store, version="v1")
     lines = (criteo_sample / "test.txt").read_text().splitlines()
-    lagging = TestClient(create_app(Settings(store=url, poll_interval_s=3600, cache_mb=0)))  # never polls by itself
+    # never polls by itself
+    lagging = TestClient(create_app(Settings(store=url, poll_interval_s=3600, cache_mb=0)))
     prompt = TestClient(create_app(Settings(store=url, poll_interval_s=0.05)))
     with lagging as a, prompt as b:
-        assert a.post("/v1/models/dlrm:predict_tsv", content=lines[0]).json()["model_version"] == "v1"
+        assert (
+            a.post("/v1/models/dlrm:predict_tsv", content=lines[0]).json()["model_version"] == "v1"
+        )
         publish_checkpoint(trained_criteo, store, version="v2")
         bump_dense(store, "v2", 0.05)
         store.collect_garbage(keep=1)  # `dlrm store gc --keep 1`: v1 is gone
         assert store.list_versions() == ["v2"]
         r = a.post("/v1/models/dlrm:predict_tsv", content="\n".join(lines[1:9]))
-        assert r.status_code == 503 and "left the store" in r.json()["error"] and "Retry-After" in r.headers
+        assert (
+            r.status_code == 503
+            and "left the store" in r.json()["error"]
+            and "Retry-After" in r.headers
+        )
         deadline, r = time.time() + 10, None
         while time.time() < deadline:  # the lagging replica loads the current version at once
             r = a.post("/v1/models/dlrm:predict_tsv", content="\n".join(lines[1:9]))
@@ -149,14 +169,18 @@ def test_a_collected_version_never_yields_default_rows(redis_server, trained_cri
         assert 'dlrm_version_loads_total{reason="vanished"} 1.0' in metrics
         # A pinned version that is collected answers 404, never its holes.
         publish_checkpoint(trained_criteo, store, version="v3")
-        assert b.post("/v1/models/dlrm/versions/v2:predict", json={"instances": [GOOD]}).status_code == 200
+        assert (
+            b.post("/v1/models/dlrm/versions/v2:predict", json={"instances": [GOOD]}).status_code
+            == 200
+        )
         assert store.collect_garbage(keep=1) == ["v2"]
         deadline = time.time() + 5
         while time.time() < deadline:
             r = b.post("/v1/models/dlrm/versions/v2:predict", json={"instances": [GOOD]})
             if r.status_code == 404:
                 break
-            assert r.status_code == 200 and r.json()["model_version"] == "v2"  # its cached rows, until dropped
+            # its cached rows, until dropped
+            assert r.status_code == 200 and r.json()["model_version"] == "v2"
             time.sleep(0.02)
         assert r.status_code == 404 and r.json()["field"] == "version"
 
@@ -181,6 +205,7 @@ def test_a_trimmed_update_stream_forces_a_reload(redis_server, trained_criteo, c
             assert service.model.generation == generation + 5
             after = client.post("/v1/models/dlrm:predict_tsv", content=line).json()
             assert after["model_generation"] == generation + 5
-            assert after["predictions"] != before["predictions"]  # the stale cached rows were dropped
+            # the stale cached rows were dropped
+            assert after["predictions"] != before["predictions"]
             before = after
         assert 'dlrm_version_loads_total{reason="lost"} 2.0' in client.get("/metrics").text

@@ -18,15 +18,29 @@ from api.errors import InputError
 from api.v2.protocol import InferInput
 
 HEADER = "inference-header-content-length"
-NUMPY = {"FP16": "<f2", "FP32": "<f4", "FP64": "<f8", "INT8": "<i1", "INT16": "<i2", "INT32": "<i4",
-         "INT64": "<i8", "UINT8": "<u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8", "BOOL": "?"}
+NUMPY = {
+    "FP16": "<f2",
+    "FP32": "<f4",
+    "FP64": "<f8",
+    "INT8": "<i1",
+    "INT16": "<i2",
+    "INT32": "<i4",
+    "INT64": "<i8",
+    "UINT8": "<u1",
+    "UINT16": "<u2",
+    "UINT32": "<u4",
+    "UINT64": "<u8",
+    "BOOL": "?",
+}
 
 
 def split(body: bytes, header_length: str) -> tuple[bytes, bytes]:
     """The JSON header and the binary part of a request body."""
     if not header_length.isdigit() or int(header_length) > len(body):
-        raise InputError("Inference-Header-Content-Length",
-                         f"{header_length!r}: not a length within the body ({len(body)} bytes)")
+        raise InputError(
+            "Inference-Header-Content-Length",
+            f"{header_length!r}: not a length within the body ({len(body)} bytes)",
+        )
     n = int(header_length)
     return body[:n], body[n:]
 
@@ -57,8 +71,16 @@ def decode(inputs: list[InferInput], binary: bytes) -> list[list | None]:
         field = f"inputs.{k}.parameters.binary_data_size"
         if tensor.data is not None:
             raise InputError(f"inputs.{k}.data", "give data or binary_data_size, not both")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or pos + size > len(binary):
-            raise InputError(field, f"{size!r}: not a size within the binary data ({len(binary) - pos} bytes left)")
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or size < 0
+            or pos + size > len(binary)
+        ):
+            raise InputError(
+                field,
+                f"{size!r}: not a size within the binary data ({len(binary) - pos} bytes left)",
+            )
         raw = binary[pos : pos + size]
         pos += size
         if tensor.datatype == "BYTES":
@@ -66,7 +88,9 @@ def decode(inputs: list[InferInput], binary: bytes) -> list[list | None]:
         elif tensor.datatype in NUMPY:
             dtype = np.dtype(NUMPY[tensor.datatype])
             if size % dtype.itemsize:
-                raise InputError(field, f"{size} bytes is not a whole number of {tensor.datatype} values")
+                raise InputError(
+                    field, f"{size} bytes is not a whole number of {tensor.datatype} values"
+                )
             array = np.frombuffer(raw, dtype=dtype)
             values.append([None if v != v else v for v in array.tolist()])  # NaN: missing
         else:

@@ -16,8 +16,22 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from api.schemas import MAX_FIELDS
 
-Datatype = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-                   "FP16", "FP32", "FP64", "BF16", "BYTES"]
+Datatype = Literal[
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BF16",
+    "BYTES",
+]
 OUTPUT = "predictions"
 """The one output tensor: click probabilities, FP32 [N]."""
 
@@ -48,7 +62,9 @@ class InferInput(BaseModel):
 
     name: Name
     """The feature's name."""
-    shape: Annotated[list[Annotated[int, Field(ge=0, le=2**31, strict=True)]], Field(min_length=1, max_length=2)]
+    shape: Annotated[
+        list[Annotated[int, Field(ge=0, le=2**31, strict=True)]], Field(min_length=1, max_length=2)
+    ]
     """``[N]`` or ``[N, 1]``."""
     datatype: Datatype
     """FP32, FP64, INT32, INT64 (dense); BYTES, INT32, INT64, UINT32, UINT64 (categorical)."""

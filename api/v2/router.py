@@ -33,8 +33,10 @@ router = APIRouter(prefix="/v2", responses=ERRORS, tags=["V2 (Open Inference Pro
 INFER_BODY = {
     "requestBody": {
         "required": True,
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/InferRequest"}},
-                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/InferRequest"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
         "description": "An inference request; with the binary extension, its JSON (of "
         "Inference-Header-Content-Length bytes) followed by the tensors' raw bytes.",
     }
@@ -58,7 +60,9 @@ async def live() -> dict:  # on the event loop: answers while requests are score
     return {"live": True}
 
 
-@router.get("/health/ready", summary="Readiness: every worker has a model (no key needed)", tags=["health"])
+@router.get(
+    "/health/ready", summary="Readiness: every worker has a model (no key needed)", tags=["health"]
+)
 async def ready(request: Request) -> dict:  # on the loop: a cached answer (api/probes.py)
     status, _, reason = request.app.state.probes.readiness()
     if status != 200:
@@ -68,17 +72,27 @@ async def ready(request: Request) -> dict:  # on the loop: a cached answer (api/
 
 def _metadata(service: ModelService, name: str, version: str | None) -> ModelMetadata:
     model = service.resolve(name, version)
-    return ModelMetadata(name=name, versions=service.store.list_versions(), platform="pytorch_dlrm",
-                         inputs=input_metadata(model.spec),
-                         outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1])])
+    return ModelMetadata(
+        name=name,
+        versions=service.store.list_versions(),
+        platform="pytorch_dlrm",
+        inputs=input_metadata(model.spec),
+        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1])],
+    )
 
 
-@router.get("/models/{name}", response_model=ModelMetadata, summary="Model metadata: inputs and outputs")
+@router.get(
+    "/models/{name}", response_model=ModelMetadata, summary="Model metadata: inputs and outputs"
+)
 def model_metadata(name: str, service: ServiceDep) -> ModelMetadata:
     return _metadata(service, name, None)
 
 
-@router.get("/models/{name}/versions/{version}", response_model=ModelMetadata, summary="A version's metadata")
+@router.get(
+    "/models/{name}/versions/{version}",
+    response_model=ModelMetadata,
+    summary="A version's metadata",
+)
 def version_metadata(name: str, version: str, service: ServiceDep) -> ModelMetadata:
     return _metadata(service, name, version)
 
@@ -89,7 +103,9 @@ def model_ready(name: str, service: ServiceDep) -> dict:
     return {"name": name, "ready": True}
 
 
-@router.get("/models/{name}/versions/{version}/ready", summary="Whether a version is ready (loads it)")
+@router.get(
+    "/models/{name}/versions/{version}/ready", summary="Whether a version is ready (loads it)"
+)
 def version_ready(name: str, version: str, service: ServiceDep) -> dict:
     service.resolve(name, version)
     return {"name": name, "version": version, "ready": True}
@@ -100,23 +116,30 @@ def _parse(body: bytes, header_length: str | None) -> tuple[InferRequest, list[l
     request = infer_request(head)  # one tensor at a time: never a long hold of the GIL
     for k, out in enumerate(request.outputs or []):
         if out.name != OUTPUT:
-            raise InputError(f"outputs.{k}.name", f"unknown output {out.name!r}: the model has one, {OUTPUT!r}")
+            raise InputError(
+                f"outputs.{k}.name", f"unknown output {out.name!r}: the model has one, {OUTPUT!r}"
+            )
     return request, binary.decode(request.inputs, raw)
 
 
-def infer_sync(service: ModelService, name: str, version: str | None, body: bytes,
-               header_length: str | None) -> Response:
+def infer_sync(
+    service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None
+) -> Response:
     """One infer request, off the event loop."""
     with service.batcher.coming():
         return _infer(service, name, version, body, header_length)
 
 
-def _infer(service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None) -> Response:
+def _infer(
+    service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None
+) -> Response:
     pending = _prepare(service, name, version, body, header_length)
     return _render(pending, service.finish(pending))
 
 
-def _prepare(service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None) -> Pending:
+def _prepare(
+    service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None
+) -> Pending:
     """An infer request parsed and featurised, before its model call."""
     model = service.resolve(name, version)
     request, values = _parse(body, header_length)
@@ -129,46 +152,80 @@ def _render(pending: Pending, scored: Scored) -> Response:
     n = len(scored.predictions)
     asked = (request.outputs or [None])[0]
     as_binary = binary.wants_binary(request.parameters, asked.parameters if asked else None)
-    output = InferOutput(name=OUTPUT, shape=[n], datatype="FP32",
-                         parameters={"binary_data_size": 4 * n} if as_binary else None,
-                         data=None if as_binary else scored.predictions)
-    answer = InferResponse(model_name=name, model_version=scored.version, id=request.id,
-                           parameters={"model_generation": scored.generation}, outputs=[output])
+    output = InferOutput(
+        name=OUTPUT,
+        shape=[n],
+        datatype="FP32",
+        parameters={"binary_data_size": 4 * n} if as_binary else None,
+        data=None if as_binary else scored.predictions,
+    )
+    answer = InferResponse(
+        model_name=name,
+        model_version=scored.version,
+        id=request.id,
+        parameters={"model_generation": scored.generation},
+        outputs=[output],
+    )
     if not as_binary:
         return JSONResponse(answer.model_dump(exclude_none=True))
     head = answer.model_dump_json(exclude_none=True).encode()
-    return Response(head + binary.encode(scored.predictions), media_type="application/octet-stream",
-                    headers={"Inference-Header-Content-Length": str(len(head))})
+    return Response(
+        head + binary.encode(scored.predictions),
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(len(head))},
+    )
 
 
 FAST_HANDLERS = {
-    "/v2/models/{name}/infer":
-        lambda service, p, body, headers: infer_sync(service, p["name"], None, body, headers.get(binary.HEADER)),
-    "/v2/models/{name}/versions/{version}/infer":
-        lambda service, p, body, headers: infer_sync(service, p["name"], p["version"], body,
-                                                     headers.get(binary.HEADER)),
+    "/v2/models/{name}/infer": lambda service, p, body, headers: infer_sync(
+        service, p["name"], None, body, headers.get(binary.HEADER)
+    ),
+    "/v2/models/{name}/versions/{version}/infer": lambda service, p, body, headers: infer_sync(
+        service, p["name"], p["version"], body, headers.get(binary.HEADER)
+    ),
 }
-"""The infer routes as ``api/fastpath.py`` answers them: the same function as the endpoints below."""
+"""The infer routes as ``api/fastpath.py`` answers them: the same function as the endpoints
+below."""
 
 STAGED = {
     "/v2/models/{name}/infer": Staged(
-        lambda service, p, body, headers: _prepare(service, p["name"], None, body, headers.get(binary.HEADER)), _render),
+        lambda service, p, body, headers: _prepare(
+            service, p["name"], None, body, headers.get(binary.HEADER)
+        ),
+        _render,
+    ),
     "/v2/models/{name}/versions/{version}/infer": Staged(
-        lambda service, p, body, headers: _prepare(service, p["name"], p["version"], body, headers.get(binary.HEADER)),
-        _render),
+        lambda service, p, body, headers: _prepare(
+            service, p["name"], p["version"], body, headers.get(binary.HEADER)
+        ),
+        _render,
+    ),
 }
-"""The same routes split around their model call (``fastpath.Staged``): concurrent small requests."""
+"""The same routes split around their model call (``fastpath.Staged``): concurrent small
+requests."""
 
 
-@router.post("/models/{name}/infer", openapi_extra=INFER_BODY, response_model=InferResponse,
-             summary="Score examples given as one tensor per feature")
+@router.post(
+    "/models/{name}/infer",
+    openapi_extra=INFER_BODY,
+    response_model=InferResponse,
+    summary="Score examples given as one tensor per feature",
+)
 async def infer(name: str, request: Request, service: ServiceDep) -> Response:
     body = await request.body()
-    return await run_in_threadpool(infer_sync, service, name, None, body, request.headers.get(binary.HEADER))
+    return await run_in_threadpool(
+        infer_sync, service, name, None, body, request.headers.get(binary.HEADER)
+    )
 
 
-@router.post("/models/{name}/versions/{version}/infer", openapi_extra=INFER_BODY, response_model=InferResponse,
-             summary="Score examples with a pinned version")
+@router.post(
+    "/models/{name}/versions/{version}/infer",
+    openapi_extra=INFER_BODY,
+    response_model=InferResponse,
+    summary="Score examples with a pinned version",
+)
 async def infer_version(name: str, version: str, request: Request, service: ServiceDep) -> Response:
     body = await request.body()
-    return await run_in_threadpool(infer_sync, service, name, version, body, request.headers.get(binary.HEADER))
+    return await run_in_threadpool(
+        infer_sync, service, name, version, body, request.headers.get(binary.HEADER)
+    )

@@ -21,20 +21,29 @@ CATEGORICAL_TYPES = {"BYTES", "INT32", "INT64", "UINT32", "UINT64"}
 FLOAT_MAX = {"FP16": 65504.0, "FP32": 3.4028234663852886e38, "FP64": 1.7976931348623157e308}
 """Largest finite value of each float datatype: a JSON value beyond its declared type is refused,
 as the binary form cannot carry it."""
-INT_RANGE = {"INT32": (-(2**31), 2**31 - 1), "INT64": (-(2**63), 2**63 - 1), "UINT32": (0, 2**32 - 1),
-             "UINT64": (0, 2**64 - 1)}
+INT_RANGE = {
+    "INT32": (-(2**31), 2**31 - 1),
+    "INT64": (-(2**63), 2**63 - 1),
+    "UINT32": (0, 2**32 - 1),
+    "UINT64": (0, 2**64 - 1),
+}
 
 
 def input_metadata(spec: FeatureSpec) -> list[TensorMetadata]:
     """The model's inputs as the protocol's metadata: one per feature, its preferred datatype."""
-    return [*(TensorMetadata(name=f.name, datatype="FP32", shape=[-1]) for f in spec.dense),
-            *(TensorMetadata(name=f.name, datatype="BYTES", shape=[-1]) for f in spec.categorical)]
+    return [
+        *(TensorMetadata(name=f.name, datatype="FP32", shape=[-1]) for f in spec.dense),
+        *(TensorMetadata(name=f.name, datatype="BYTES", shape=[-1]) for f in spec.categorical),
+    ]
 
 
 def _flatten(data: list, shape: list[int], field: str) -> list:
     """Row-major values of a flat or nested ``data`` of ``shape`` ([N] or [N, 1])."""
     if len(shape) == 2 and shape[1] != 1:
-        raise InputError(field.replace(".data", ".shape"), f"{shape}: a feature is [N] or [N, 1] (one value per example)")
+        raise InputError(
+            field.replace(".data", ".shape"),
+            f"{shape}: a feature is [N] or [N, 1] (one value per example)",
+        )
     if len(shape) == 2 and data and all(isinstance(v, list) for v in data):
         if any(len(v) != 1 for v in data):
             raise InputError(field, "nested rows must hold exactly one value each")
@@ -72,7 +81,9 @@ def _categorical_value(value, datatype: str, field: str):
             except UnicodeDecodeError:
                 raise InputError(field, "BYTES values must be UTF-8") from None
         if not isinstance(value, str):
-            raise InputError(field, "BYTES values are strings (a multi-hot bag: values joined by the separator)")
+            raise InputError(
+                field, "BYTES values are strings (a multi-hot bag: values joined by the separator)"
+            )
         return value
     if isinstance(value, bool) or not isinstance(value, int):
         raise InputError(field, f"{datatype} values are integers")
@@ -85,10 +96,14 @@ def _categorical_value(value, datatype: str, field: str):
 def _check_input(k: int, tensor: InferInput, kind: str, values: list | None) -> list:
     accepted = DENSE_TYPES if kind == "dense" else CATEGORICAL_TYPES
     if tensor.datatype not in accepted:
-        raise InputError(f"inputs.{k}.datatype",
-                         f"{tensor.datatype} for {kind} feature {tensor.name!r}; use one of {sorted(accepted)}")
+        raise InputError(
+            f"inputs.{k}.datatype",
+            f"{tensor.datatype} for {kind} feature {tensor.name!r}; use one of {sorted(accepted)}",
+        )
     if values is None:
-        raise InputError(f"inputs.{k}.data", "missing (give data, or binary_data_size with the binary extension)")
+        raise InputError(
+            f"inputs.{k}.data", "missing (give data, or binary_data_size with the binary extension)"
+        )
     flat = _flatten(values, tensor.shape, f"inputs.{k}.data")
     convert = _dense_value if kind == "dense" else _categorical_value
     return [convert(v, tensor.datatype, f"inputs.{k}.data.{i}") for i, v in enumerate(flat)]
@@ -100,8 +115,9 @@ def _unknown(name: str, spec: FeatureSpec) -> str:
     return f"unknown feature {clipped(name)}" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
-def tensors_to_inputs(model: ServingModel, inputs: list[InferInput], values: list[list | None],
-                      max_examples: int) -> tuple[ModelInputs, int]:
+def tensors_to_inputs(
+    model: ServingModel, inputs: list[InferInput], values: list[list | None], max_examples: int
+) -> tuple[ModelInputs, int]:
     """Input tensors (``values[k]``: tensor k's data, decoded if binary) -> (model inputs, N)."""
     spec = model.spec
     where = {f.name: ("dense", j) for j, f in enumerate(spec.dense)}
@@ -116,12 +132,16 @@ def tensors_to_inputs(model: ServingModel, inputs: list[InferInput], values: lis
         if tensor.name in position:
             raise InputError(f"inputs.{k}.name", f"feature {tensor.name!r} is given twice")
         if n is not None and tensor.shape[0] != n:
-            raise InputError(f"inputs.{k}.shape", f"{tensor.shape[0]} examples, but inputs.0 has {n}")
+            raise InputError(
+                f"inputs.{k}.shape", f"{tensor.shape[0]} examples, but inputs.0 has {n}"
+            )
         n = tensor.shape[0]
         if n == 0:
             raise InputError(f"inputs.{k}.shape", "at least one example")
         if n > max_examples:
-            raise InputError(f"inputs.{k}.shape", f"{n} examples, at most {max_examples} per request")
+            raise InputError(
+                f"inputs.{k}.shape", f"{n} examples, at most {max_examples} per request"
+            )
         kind, j = where[tensor.name]
         position[tensor.name] = k
         (dense if kind == "dense" else cats)[j] = _check_input(k, tensor, kind, values[k])

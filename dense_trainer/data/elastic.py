@@ -37,7 +37,10 @@ class Consumed:
         return done
 
     def to_dict(self) -> dict:
-        return {"epoch": self.epoch, "runs": [[n, [p.to_dict() for p in ps]] for n, ps in self.runs]}
+        return {
+            "epoch": self.epoch,
+            "runs": [[n, [p.to_dict() for p in ps]] for n, ps in self.runs],
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> Consumed:

@@ -67,7 +67,8 @@ class LoaderStats:
 
 
 class BatchLoader:
-    """Iterates batches over the input files of a feature spec, for one or more epochs, from a position.
+    """Iterates batches over the input files of a feature spec, for one or more epochs, from a
+    position.
 
     Args:
         files: input files (text plain or gzip, or Parquet), read in order.
@@ -130,7 +131,9 @@ class BatchLoader:
         if self._thread is not None:
             raise RuntimeError("a BatchLoader is iterated once; make a new one")
         q: queue.Queue = queue.Queue(maxsize=self.prefetch_batches)
-        self._thread = threading.Thread(target=self._run, args=(q,), name="criteo-loader", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(q,), name="criteo-loader", daemon=True
+        )
         self._thread.start()
         try:
             while True:
@@ -194,7 +197,9 @@ class BatchLoader:
                 if self._consumed_rows(epoch, number - 1) is None:
                     continue  # read by an earlier run (elastic restart)
                 job = pool.submit(self._timed_parse, raw) if pool else self._timed_parse(raw)
-                in_flight.append((job, raw.file_index, raw.offset, raw.line, len(raw.data), number - 1))
+                in_flight.append(
+                    (job, raw.file_index, raw.offset, raw.line, len(raw.data), number - 1)
+                )
                 while len(in_flight) >= max_in_flight:
                     yield self._finish(in_flight.popleft())
         while in_flight:
@@ -252,7 +257,9 @@ class BatchLoader:
                     block.bad_reported = True
                 pending.append(block)
                 have += block.parsed.num_rows - block.cursor
-                while have >= self.batch_size or (self.max_rows and emitted + have >= self.max_rows):
+                while have >= self.batch_size or (
+                    self.max_rows and emitted + have >= self.max_rows
+                ):
                     size = self.batch_size
                     if self.max_rows:
                         size = min(size, self.max_rows - emitted)
@@ -287,7 +294,9 @@ class BatchLoader:
             if block.cursor == block.parsed.num_rows:
                 pending.popleft()
         last = parts[-1][0]
-        position = Position(epoch, last.file_index, last.offset, last.line, last.cursor, last.number)
+        position = Position(
+            epoch, last.file_index, last.offset, last.line, last.cursor, last.number
+        )
         return self._to_batch(parts, position), bad
 
     def _check_schema(self, block: _Block) -> None:
@@ -301,8 +310,10 @@ class BatchLoader:
         total = parsed.num_rows + len(parsed.bad)
         if total >= 20 and len(parsed.bad) > 0.5 * total:
             b = parsed.bad[0]
-            raise DataError(f"{b.file}:{b.line}: {b.reason} ({len(parsed.bad)} of the first {total} lines are "
-                            "malformed: does the schema fit this file?)")
+            raise DataError(
+                f"{b.file}:{b.line}: {b.reason} ({len(parsed.bad)} of the first {total} lines are "
+                "malformed: does the schema fit this file?)"
+            )
 
     @staticmethod
     def _unreported(block: _Block) -> list[BadLine]:
@@ -325,10 +336,21 @@ class BatchLoader:
             num_f = len(self.spec.categorical)
             lengths = np.concatenate([p.parsed.lengths[:, a:b] for p, a, b in parts], axis=1)
             values = np.concatenate(
-                [p.parsed.values[f][p.cum[f, a] : p.cum[f, b]] for f in range(num_f) for p, a, b in parts]
+                [
+                    p.parsed.values[f][p.cum[f, a] : p.cum[f, b]]
+                    for f in range(num_f)
+                    for p, a, b in parts
+                ]
             )
-            sparse = SparseFeatures.from_lengths(torch.from_numpy(values), torch.from_numpy(lengths))
+            sparse = SparseFeatures.from_lengths(
+                torch.from_numpy(values), torch.from_numpy(lengths)
+            )
         batch = Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), position)
         if self.pin_memory:
-            batch = Batch(batch.dense.pin_memory(), batch.sparse.pin_memory(), batch.labels.pin_memory(), position)
+            batch = Batch(
+                batch.dense.pin_memory(),
+                batch.sparse.pin_memory(),
+                batch.labels.pin_memory(),
+                position,
+            )
         return batch

@@ -48,7 +48,9 @@ class Step:
 
 def empty_batch(num_dense: int, num_features: int, position: Position) -> Batch:
     """A batch of no rows (a trainer whose share of the epoch is done)."""
-    sparse = SparseFeatures(torch.zeros(0, dtype=torch.int64), torch.zeros(num_features * 0 + 1, dtype=torch.int64), 0)
+    sparse = SparseFeatures(
+        torch.zeros(0, dtype=torch.int64), torch.zeros(num_features * 0 + 1, dtype=torch.int64), 0
+    )
     return Batch(torch.zeros(0, num_dense), sparse, torch.zeros(0), position)
 
 
@@ -91,8 +93,14 @@ class Steps:
         start_epoch: the epoch the run resumes in.
     """
 
-    def __init__(self, loaders: list[BatchLoader], num_dense: int, num_features: int, agree: Agree,
-                 start_epoch: int = 0) -> None:
+    def __init__(
+        self,
+        loaders: list[BatchLoader],
+        num_dense: int,
+        num_features: int,
+        agree: Agree,
+        start_epoch: int = 0,
+    ) -> None:
         self.shares = [_Share(loader, loader.start) for loader in loaders]
         self.num_dense, self.num_features = num_dense, num_features
         self.agree = agree
@@ -104,8 +112,14 @@ class Steps:
             heads = [s.peek() for s in self.shares]
             in_epoch = [b is not None and b.position.epoch == self.epoch for b in heads]
             rows = sum(b.batch_size for b, ok in zip(heads, in_epoch, strict=True) if ok)
-            total = self.agree([float(any(in_epoch)), float(any(b is not None for b in heads)), float(rows),
-                                float(stop)])
+            total = self.agree(
+                [
+                    float(any(in_epoch)),
+                    float(any(b is not None for b in heads)),
+                    float(rows),
+                    float(stop),
+                ]
+            )
             if total[3] > 0:
                 return Step(self._empty(), 0, self.epoch, True, self.positions())
             if total[0] > 0:
@@ -129,8 +143,9 @@ class Steps:
             s.close()
 
 
-def resume_positions(saved: list[Position] | None, parts: int,
-                     consumed: Consumed | None = None) -> tuple[list[Position], Consumed | None]:
+def resume_positions(
+    saved: list[Position] | None, parts: int, consumed: Consumed | None = None
+) -> tuple[list[Position], Consumed | None]:
     """Where each of ``parts`` shares starts, and what earlier runs consumed of the current epoch.
 
     The saved positions of a run with as many trainers are taken as they are. With another
@@ -148,9 +163,18 @@ def resume_positions(saved: list[Position] | None, parts: int,
         start = Position(epoch=epoch)
     else:
         first = min(current, key=lambda p: p.block)
-        start = Position(epoch, first.file_index, first.block_offset, first.block_line, 0, first.block)
-    log.warning("resuming %d trainer(s) from a checkpoint of %d: the shares restart at block %d of epoch %d, "
-                "skipping the rows the old trainers read", parts, len(saved), start.block, epoch)
+        start = Position(
+            epoch, first.file_index, first.block_offset, first.block_line, 0, first.block
+        )
+    log.warning(
+        "resuming %d trainer(s) from a checkpoint of %d: the shares restart at block %d of epoch "
+        "%d, "
+        "skipping the rows the old trainers read",
+        parts,
+        len(saved),
+        start.block,
+        epoch,
+    )
     return [start] * parts, Consumed(epoch, [*runs, (len(saved), list(saved))])
 
 

@@ -94,7 +94,8 @@ def make_teacher(seed: int, zipf: float = 1.1, rank: int = 4, num_pairs: int = 4
 
 
 def _sample(teacher: Teacher, n: int, rng: np.random.Generator):
-    """Draw n rows: (ids [26, n] with -1 for missing, counts [13, n] with -1 for missing, logit [n])."""
+    """Draw n rows: (ids [26, n] with -1 for missing, counts [13, n] with -1 for missing, logit
+    [n])."""
     f = len(VOCAB)
     ids = np.empty((f, n), dtype=np.int64)
     logit = np.full(n, teacher.intercept)
@@ -151,7 +152,9 @@ def _hex_column(values: np.ndarray, valid: np.ndarray) -> pa.Array:
     )
 
 
-def _write_split(teacher: Teacher, path: Path, rows: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _write_split(
+    teacher: Teacher, path: Path, rows: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Write ``rows`` rows to ``path``; return (true probabilities, labels)."""
     names = ["label"] + [f"I{i + 1}" for i in range(13)] + [f"C{i + 1}" for i in range(26)]
     probs, labels = [], []
@@ -165,7 +168,9 @@ def _write_split(teacher: Teacher, path: Path, rows: int, rng: np.random.Generat
             y = (rng.random(n) < p).astype(np.int64)
             cols = [pa.array(y)]
             cols += [pa.array(c, mask=c < 0) for c in counts]
-            cols += [_hex_column(teacher.hexes[j][np.maximum(ids[j], 0)], ids[j] >= 0) for j in range(26)]
+            cols += [
+                _hex_column(teacher.hexes[j][np.maximum(ids[j], 0)], ids[j] >= 0) for j in range(26)
+            ]
             table = pa.Table.from_arrays(cols, names=names)
             if writer is None:
                 writer = pcsv.CSVWriter(str(path), table.schema, write_options=opts)
@@ -192,7 +197,9 @@ def synthesize(
     teacher = make_teacher(seed, zipf=zipf)
     _calibrate(teacher, ctr, seed)
     _write_split(teacher, out / "train.txt", train_rows, np.random.default_rng([seed, 1]))
-    probs, labels = _write_split(teacher, out / "test.txt", test_rows, np.random.default_rng([seed, 2]))
+    probs, labels = _write_split(
+        teacher, out / "test.txt", test_rows, np.random.default_rng([seed, 2])
+    )
     bayes = {
         "test_auc": roc_auc(probs, labels),
         "test_logloss": log_loss(probs, labels),

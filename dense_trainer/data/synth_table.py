@@ -97,17 +97,26 @@ def make_teacher(seed: int, zipf: float = 1.1) -> Teacher:
         return rng.normal(0, 1 / np.sqrt(RANK), (v, RANK))
 
     return Teacher(
-        user_cdf=_zipf_cdf(NUM_USERS, zipf), user_of_rank=rng.permutation(NUM_USERS),
-        ad_cdf=_zipf_cdf(NUM_ADS, zipf), ad_of_rank=rng.permutation(NUM_ADS),
-        tag_cdf=_zipf_cdf(NUM_TAGS, 0.8), tag_of_rank=np.arange(NUM_TAGS),  # ODD_TAGS stay popular
+        user_cdf=_zipf_cdf(NUM_USERS, zipf),
+        user_of_rank=rng.permutation(NUM_USERS),
+        ad_cdf=_zipf_cdf(NUM_ADS, zipf),
+        ad_of_rank=rng.permutation(NUM_ADS),
+        tag_cdf=_zipf_cdf(NUM_TAGS, 0.8),
+        tag_of_rank=np.arange(NUM_TAGS),  # ODD_TAGS stay popular
         hour_p=hour_p / hour_p.sum(),
         device_p=_zipf_cdf(NUM_DEVICES, 1.3) - np.r_[0, _zipf_cdf(NUM_DEVICES, 1.3)[:-1]],
         device_codes=np.sort(rng.choice(np.arange(1001, 2000), NUM_DEVICES, replace=False)),
-        user_bias=rng.normal(0, 0.5, NUM_USERS), ad_bias=rng.normal(0, 0.5, NUM_ADS),
-        hour_bias=rng.normal(0, 0.25, 24), device_bias=rng.normal(0, 0.25, NUM_DEVICES),
+        user_bias=rng.normal(0, 0.5, NUM_USERS),
+        ad_bias=rng.normal(0, 0.5, NUM_ADS),
+        hour_bias=rng.normal(0, 0.25, 24),
+        device_bias=rng.normal(0, 0.25, NUM_DEVICES),
         tag_bias=rng.normal(0, 0.2, NUM_TAGS),
-        user_lat=lat(NUM_USERS), ad_lat=lat(NUM_ADS), hour_lat=lat(24), device_lat=lat(NUM_DEVICES),
-        tag_lat=lat(NUM_TAGS), pair_w=np.array([0.8, 0.4, 0.4]),
+        user_lat=lat(NUM_USERS),
+        ad_lat=lat(NUM_ADS),
+        hour_lat=lat(24),
+        device_lat=lat(NUM_DEVICES),
+        tag_lat=lat(NUM_TAGS),
+        pair_w=np.array([0.8, 0.4, 0.4]),
     )
 
 
@@ -155,14 +164,23 @@ def _sample(t: Teacher, n: int, rng: np.random.Generator) -> Rows:
     tag_sum = (t.tag_lat[tag_idx] * valid[:, :, None]).sum(axis=1)  # n x R
     z_price = (np.log(np.nan_to_num(price, nan=1.0)) - 3.0) / 0.8
     f_price = np.where(np.isnan(price), 0.15, -0.6 * np.tanh(z_price))
-    f_clicks = np.where(clicks < 0, -0.2, 0.9 * (1 - np.exp(-np.log1p(np.maximum(clicks, 0)) / 1.5)) - 0.45)
+    f_clicks = np.where(
+        clicks < 0, -0.2, 0.9 * (1 - np.exp(-np.log1p(np.maximum(clicks, 0)) / 1.5)) - 0.45
+    )
     w = t.pair_w
     logit = (
-        t.intercept + t.user_bias[user] + t.ad_bias[ad] + t.hour_bias[hour] + t.device_bias[device] + tag_bias
+        t.intercept
+        + t.user_bias[user]
+        + t.ad_bias[ad]
+        + t.hour_bias[hour]
+        + t.device_bias[device]
+        + tag_bias
         + w[0] * np.einsum("nr,nr->n", t.user_lat[user], t.ad_lat[ad])
         + w[1] * np.einsum("nr,nr->n", t.ad_lat[ad], t.hour_lat[hour])
         + w[2] * np.einsum("nr,nr->n", t.device_lat[device], tag_sum)
-        + f_price + f_clicks + 0.3 * (score - 50.0) / 12.0
+        + f_price
+        + f_clicks
+        + 0.3 * (score - 50.0) / 12.0
     )
     return Rows(user, ad, hour, device, tags, price, clicks, score, logit)
 
@@ -172,7 +190,8 @@ def _calibrate(t: Teacher, ctr: float, seed: int) -> None:
     t.intercept = solve_intercept(_sample(t, 50_000, np.random.default_rng([seed, 7])).logit, ctr)
 
 
-# -- rows -> an arrow table -> a file -------------------------------------------------------------------
+# -- rows -> an arrow table -> a file
+# -------------------------------------------------------------------
 
 
 class Names:
@@ -227,9 +246,13 @@ def _text(table: pa.Table, delimiter: str) -> bytes:
         else:
             col = pc.cast(col, pa.string())
         cells.append(col)
-    lines = pc.binary_join_element_wise(*cells, delimiter, null_handling="replace", null_replacement="")
+    lines = pc.binary_join_element_wise(
+        *cells, delimiter, null_handling="replace", null_replacement=""
+    )
     lines = pc.binary_join_element_wise(lines, "", "\n")  # each line + "\n"
-    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset : lines.offset + len(lines) + 1]
+    offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[
+        lines.offset : lines.offset + len(lines) + 1
+    ]
     return lines.buffers()[2].to_pybytes()[offsets[0] : offsets[-1]]
 
 
@@ -265,8 +288,15 @@ class _ParquetSink:
             self.writer.close()
 
 
-def _write_split(t: Teacher, names: Names, path: Path, fmt: str, rows: int, first_id: int,
-                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _write_split(
+    t: Teacher,
+    names: Names,
+    path: Path,
+    fmt: str,
+    rows: int,
+    first_id: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray]:
     """Write ``rows`` rows to ``path``; return (true probabilities, labels)."""
     probs, labels = [], []
     sink = _ParquetSink(path) if fmt == "parquet" else _TextSink(path, DELIMITERS[fmt])
@@ -358,7 +388,8 @@ def synthesize_table(
     Example::
 
         synthesize_table(Path("/tmp/t"), 100_000, 20_000, seed=0, format="parquet")
-        # dlrm train --config /tmp/t/schema.toml --train /tmp/t/train.parquet --test /tmp/t/test.parquet ...
+        # dlrm train --config /tmp/t/schema.toml --train /tmp/t/train.parquet --test
+        /tmp/t/test.parquet ...
     """
     if format not in FORMATS:
         raise ValueError(f"format {format!r}: expected one of {', '.join(FORMATS)}")
@@ -367,9 +398,24 @@ def synthesize_table(
     teacher = make_teacher(seed, zipf)
     _calibrate(teacher, ctr, seed)
     names = Names()
-    _write_split(teacher, names, out / f"train.{format}", format, train_rows, 0, np.random.default_rng([seed, 1]))
-    probs, labels = _write_split(teacher, names, out / f"test.{format}", format, test_rows, train_rows,
-                                 np.random.default_rng([seed, 2]))
+    _write_split(
+        teacher,
+        names,
+        out / f"train.{format}",
+        format,
+        train_rows,
+        0,
+        np.random.default_rng([seed, 1]),
+    )
+    probs, labels = _write_split(
+        teacher,
+        names,
+        out / f"test.{format}",
+        format,
+        test_rows,
+        train_rows,
+        np.random.default_rng([seed, 2]),
+    )
     (out / "schema.toml").write_text(SCHEMA.format(fmt=format))
     bayes = {
         "test_auc": roc_auc(probs, labels),

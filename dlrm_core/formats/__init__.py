@@ -66,14 +66,19 @@ class InputReader:
             return self._layouts[file_index]
 
     def check(self) -> None:
-        """Open every file and find the schema's columns in it (fail early, naming file and column)."""
+        """Open every file and find the schema's columns in it (fail early, naming file and
+        column)."""
         check_files(self.files, "input")
         for i in range(len(self.files)):
             self.layout(i)
 
-    def blocks(self, file_index: int, block_bytes: int, offset: int = 0, line: int = 1) -> Iterator[RawBlock]:
+    def blocks(
+        self, file_index: int, block_bytes: int, offset: int = 0, line: int = 1
+    ) -> Iterator[RawBlock]:
         """Raw blocks of one file from ``offset`` (a block boundary) on."""
-        yield from self.format.blocks(self.layout(file_index), file_index, block_bytes, offset, line)
+        yield from self.format.blocks(
+            self.layout(file_index), file_index, block_bytes, offset, line
+        )
 
     def parse(self, raw: RawBlock) -> ParsedBlock:
         layout = self.layout(raw.file_index)
@@ -97,12 +102,23 @@ class LineParser:
             raise DataError("the model's spec lists no input columns: it cannot parse lines")
         self.spec = spec
         self.names = list(spec.columns)
-        text_spec = spec if spec.format != "parquet" else spec.model_copy(update={"format": "tsv", "delimiter": "\t"})
+        text_spec = (
+            spec
+            if spec.format != "parquet"
+            else spec.model_copy(update={"format": "tsv", "delimiter": "\t"})
+        )
         self.format = DelimitedFormat(text_spec.model_copy(update={"header": False}))
-        self.with_label = FileLayout(Path("request"), self.names, feature_positions(spec, self.names, "request"))
+        self.with_label = FileLayout(
+            Path("request"), self.names, feature_positions(spec, self.names, "request")
+        )
         without = [n for i, n in enumerate(self.names) if i != self.with_label.positions[LABEL]]
-        self.without_label = FileLayout(Path("request"), without, feature_positions(spec, without, "request", False))
-        self.featurize = {True: Featurizer(spec, True, dense_max_abs), False: Featurizer(spec, False, dense_max_abs)}
+        self.without_label = FileLayout(
+            Path("request"), without, feature_positions(spec, without, "request", False)
+        )
+        self.featurize = {
+            True: Featurizer(spec, True, dense_max_abs),
+            False: Featurizer(spec, False, dense_max_abs),
+        }
         self.values = ValueFeaturizer(spec, dense_max_abs)
 
     def one_line(self, text: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -117,7 +133,11 @@ class LineParser:
         except UnicodeDecodeError:
             return None
         fields = line.split(self.format.delimiter)
-        if not line.strip() or "\r" in line or len(fields) not in (len(self.names), len(self.names) - 1):
+        if (
+            not line.strip()
+            or "\r" in line
+            or len(fields) not in (len(self.names), len(self.names) - 1)
+        ):
             return None
         layout = self.with_label if len(fields) == len(self.names) else self.without_label
         at = layout.positions
@@ -145,8 +165,10 @@ class LineParser:
             raise DataError(f"{name}: no lines")
         fields = self.fields(lines[0])
         if fields not in (len(self.names), len(self.names) - 1):
-            raise DataError(f"line 1: expected {len(self.names) - 1} fields (without the label) or "
-                            f"{len(self.names)} (with it), got {fields}")
+            raise DataError(
+                f"line 1: expected {len(self.names) - 1} fields (without the label) or "
+                f"{len(self.names)} (with it), got {fields}"
+            )
         labelled = fields == len(self.names)
         layout = self.with_label if labelled else self.without_label
         raw = RawBlock(0, 0, 1, b"\n".join(lines) + b"\n", len(lines))

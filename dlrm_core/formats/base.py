@@ -90,15 +90,23 @@ def check_format(path: Path, format: str, setting: str = 'format = "{}" in the c
     """
     found = sniff_format(path)
     if format == "parquet" and found != "parquet":
-        what = "a text file (CSV or TSV)" if found == "text" else "not a Parquet file (no PAR1 magic)"
-        raise DataError(f"{path}: the schema's format is 'parquet', but the file is {what}; "
-                        f"set {setting.format('csv')} (or tsv)")
+        what = (
+            "a text file (CSV or TSV)" if found == "text" else "not a Parquet file (no PAR1 magic)"
+        )
+        raise DataError(
+            f"{path}: the schema's format is 'parquet', but the file is {what}; "
+            f"set {setting.format('csv')} (or tsv)"
+        )
     if format != "parquet" and found == "parquet":
-        raise DataError(f"{path}: the file is Parquet (PAR1 magic), but the schema's format is {format!r}; "
-                        f"set {setting.format('parquet')}")
+        raise DataError(
+            f"{path}: the file is Parquet (PAR1 magic), but the schema's format is {format!r}; "
+            f"set {setting.format('parquet')}"
+        )
     if format != "parquet" and found == "binary":
-        raise DataError(f"{path}: the file is binary, not {format} text (nor gzip, nor Parquet); "
-                        f"check the path, or set {setting.format('...')}")
+        raise DataError(
+            f"{path}: the file is binary, not {format} text (nor gzip, nor Parquet); "
+            f"check the path, or set {setting.format('...')}"
+        )
 
 
 def printable(text: str, limit: int = 40) -> str:
@@ -134,7 +142,9 @@ def resolve_column(ref: Column, names: list[str], where: str, what: str) -> int:
     raise DataError(f"{where}: no column {ref!r} for {what}{hint}; the columns are: {shown}")
 
 
-def feature_positions(spec: FeatureSpec, names: list[str], where: str, with_label: bool = True) -> dict[str, int]:
+def feature_positions(
+    spec: FeatureSpec, names: list[str], where: str, with_label: bool = True
+) -> dict[str, int]:
     """Position in the input of the label (key :data:`LABEL`) and of every feature's column."""
     out: dict[str, int] = {}
     if with_label:
@@ -162,7 +172,9 @@ class BadLineLog:
                 self.first = b
                 log.warning(
                     "%s:%d: malformed line skipped (%s); further ones are counted and summarised",
-                    b.file, b.line, b.reason,
+                    b.file,
+                    b.line,
+                    b.reason,
                 )
             self.count += 1
             self.by_reason[_reason_kind(b.reason)] += 1
@@ -171,7 +183,10 @@ class BadLineLog:
         if not self.count:
             return None
         kinds = ", ".join(f"{k}: {v}" for k, v in self.by_reason.most_common())
-        return f"skipped {self.count} malformed line(s) ({kinds}); first at {self.first.file}:{self.first.line}"
+        return (
+            f"skipped {self.count} malformed line(s) ({kinds}); first at "
+            f"{self.first.file}:{self.first.line}"
+        )
 
     def state(self) -> dict:
         return {"count": self.count, "by_reason": dict(self.by_reason)}

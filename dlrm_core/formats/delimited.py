@@ -25,7 +25,9 @@ from dlrm_core.formats.base import FileLayout, RawBlock, check_format, open_stre
 from dlrm_core.schema import FeatureSpec
 
 
-def read_raw_blocks(path: Path, file_index: int, block_bytes: int, offset: int = 0, line: int = 1) -> Iterator[RawBlock]:
+def read_raw_blocks(
+    path: Path, file_index: int, block_bytes: int, offset: int = 0, line: int = 1
+) -> Iterator[RawBlock]:
     """Blocks of whole lines from ``path``, starting at byte ``offset`` (line number ``line``)."""
     with open_stream(path) as f:
         try:
@@ -93,7 +95,10 @@ class DelimitedFormat:
         if not known:
             return True
         fields = self._fields(self._first_line(path))
-        named = {f.column if isinstance(f.column, str) else f.name for f in [*self.spec.dense, *self.spec.categorical]}
+        named = {
+            f.column if isinstance(f.column, str) else f.name
+            for f in [*self.spec.dense, *self.spec.categorical]
+        }
         return fields == list(known) or named <= set(fields)
 
     def column_names(self, path: Path) -> list[str]:
@@ -114,22 +119,33 @@ class DelimitedFormat:
             return 0, 1
         return len(self._first_line(path)), 2
 
-    def blocks(self, layout: FileLayout, file_index: int, block_bytes: int, offset: int, line: int
-               ) -> Iterator[RawBlock]:
+    def blocks(
+        self, layout: FileLayout, file_index: int, block_bytes: int, offset: int, line: int
+    ) -> Iterator[RawBlock]:
         start, first_line = self.data_start(layout.path)
         if offset < start:
             offset, line = start, first_line
         yield from read_raw_blocks(layout.path, file_index, block_bytes, offset, line)
 
-    def parse(self, raw: RawBlock, layout: FileLayout, file_name: str,
-              ) -> tuple[dict[str, pa.Array], int, np.ndarray, list[BadLine]]:
-        """A block of lines -> (the used columns by key, rows, line of each row, malformed lines)."""
+    def parse(
+        self,
+        raw: RawBlock,
+        layout: FileLayout,
+        file_name: str,
+    ) -> tuple[dict[str, pa.Array], int, np.ndarray, list[BadLine]]:
+        """A block of lines -> (the used columns by key, rows, line of each row, malformed
+        lines)."""
         positions, num_columns = layout.positions, len(layout.names)
         bad: list[BadLine] = []
 
         def on_invalid(row: pcsv.InvalidRow) -> str:
-            bad.append(BadLine(file_name, raw.line + (row.number or 1) - 1,
-                               f"wrong field count ({row.actual_columns}, expected {row.expected_columns})"))
+            bad.append(
+                BadLine(
+                    file_name,
+                    raw.line + (row.number or 1) - 1,
+                    f"wrong field count ({row.actual_columns}, expected {row.expected_columns})",
+                )
+            )
             return "skip"
 
         names = [f"c{i}" for i in range(num_columns)]
@@ -137,12 +153,22 @@ class DelimitedFormat:
         try:
             table = pcsv.read_csv(
                 pa.py_buffer(raw.data),
-                read_options=pcsv.ReadOptions(column_names=names, use_threads=False, block_size=1 << 30),
-                parse_options=pcsv.ParseOptions(delimiter=self.delimiter, quote_char='"' if self.quoted else False,
-                                                ignore_empty_lines=False, invalid_row_handler=on_invalid),
+                read_options=pcsv.ReadOptions(
+                    column_names=names, use_threads=False, block_size=1 << 30
+                ),
+                parse_options=pcsv.ParseOptions(
+                    delimiter=self.delimiter,
+                    quote_char='"' if self.quoted else False,
+                    ignore_empty_lines=False,
+                    invalid_row_handler=on_invalid,
+                ),
                 convert_options=pcsv.ConvertOptions(
-                    include_columns=[names[i] for i in used], column_types={names[i]: pa.string() for i in used},
-                    null_values=[""], strings_can_be_null=True, quoted_strings_can_be_null=True),
+                    include_columns=[names[i] for i in used],
+                    column_types={names[i]: pa.string() for i in used},
+                    null_values=[""],
+                    strings_can_be_null=True,
+                    quoted_strings_can_be_null=True,
+                ),
             )
         except pa.ArrowInvalid as exc:
             raise DataError(f"{file_name}:{raw.line}: cannot parse block: {exc}") from None

@@ -70,19 +70,25 @@ class ParquetFormat:
         """Refuse columns whose type cannot feed their feature, naming file and column."""
         path, positions = layout.path, layout.positions
         schema = _open(path).schema_arrow
-        roles = {LABEL: "label", **{f.name: "dense" for f in self.spec.dense},
-                 **{f.name: "categorical" for f in self.spec.categorical}}
+        roles = {
+            LABEL: "label",
+            **{f.name: "dense" for f in self.spec.dense},
+            **{f.name: "categorical" for f in self.spec.categorical},
+        }
         for key, pos in positions.items():
             field = schema.field(pos)
             kind = _kind_of(field.type)
             role = roles[key]
             if kind not in ACCEPTED[role]:
                 what = "the label" if key == LABEL else f"{role} feature {key!r}"
-                raise DataError(f"{path}: column {field.name!r} is {field.type}, which cannot be {what} "
-                                f"(expected {' or '.join(sorted(ACCEPTED[role]))})")
+                raise DataError(
+                    f"{path}: column {field.name!r} is {field.type}, which cannot be {what} "
+                    f"(expected {' or '.join(sorted(ACCEPTED[role]))})"
+                )
 
-    def blocks(self, layout: FileLayout, file_index: int, block_bytes: int, offset: int, line: int
-               ) -> Iterator[RawBlock]:
+    def blocks(
+        self, layout: FileLayout, file_index: int, block_bytes: int, offset: int, line: int
+    ) -> Iterator[RawBlock]:
         path = layout.path
         f = _open(path)
         read = [layout.names[i] for i in layout.used]
@@ -104,8 +110,12 @@ class ParquetFormat:
                 yield RawBlock(file_index, start + lo, start + lo + 1, piece, piece.num_rows)
             start += rows
 
-    def parse(self, raw: RawBlock, layout: FileLayout, file_name: str,
-              ) -> tuple[dict[str, pa.Array], int, np.ndarray, list[BadLine]]:
+    def parse(
+        self,
+        raw: RawBlock,
+        layout: FileLayout,
+        file_name: str,
+    ) -> tuple[dict[str, pa.Array], int, np.ndarray, list[BadLine]]:
         table: pa.Table = raw.data
         columns = {key: table.column(layout.names[pos]) for key, pos in layout.positions.items()}
         lines = np.arange(raw.line, raw.line + table.num_rows, dtype=np.int64)

@@ -10,5 +10,6 @@ back in any other sharding.
     finalizer.py  the master's side: wait for every writer's record, then make the step current
     server.py     an embedding server's checkpoints: snapshot between steps, write in the background
 
-May import: ``idmap``, ``kernels``, ``local_table``, ``sharding``, ``wire`` (layers: ``scripts/check_layout.py``).
+May import: ``idmap``, ``kernels``, ``local_table``, ``sharding``, ``wire`` (layers:
+``scripts/check_layout.py``).
 """

@@ -116,17 +116,22 @@ def partial_dir(root: Path, step: int, fresh: bool = False) -> Path:
 
 
 def save_file(directory: Path, name: str, obj: Any, bytes_per_s: float = 0.0) -> dict[str, Any]:
-    """Save one file of a checkpoint (fsynced, digested while written); returns its manifest entry."""
+    """Save one file of a checkpoint (fsynced, digested while written); returns its manifest
+    entry."""
     try:
         return _save_file(Path(directory) / name, obj, bytes_per_s)
     except (OSError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot write checkpoint file {Path(directory) / name}: {exc}") from exc
+        raise CheckpointError(
+            f"cannot write checkpoint file {Path(directory) / name}: {exc}"
+        ) from exc
 
 
 def write_record(directory: Path, writer: str, record: dict[str, Any]) -> None:
     """A writer's account of its part of a partial checkpoint (its files and their digests, or
     its error), written atomically once its files are durable."""
-    atomic_write_bytes(Path(directory) / f"{RECORD_PREFIX}{writer}.json", json.dumps(record).encode())
+    atomic_write_bytes(
+        Path(directory) / f"{RECORD_PREFIX}{writer}.json", json.dumps(record).encode()
+    )
 
 
 def read_record(directory: Path, writer: str) -> dict[str, Any] | None:
@@ -143,8 +148,14 @@ def step_name(step: int) -> str:
     return f"step-{step:010d}"
 
 
-def finalize_checkpoint(root: Path, step: int, meta: dict[str, Any], keep: int = 2,
-                        files: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
+def finalize_checkpoint(
+    root: Path,
+    step: int,
+    meta: dict[str, Any],
+    keep: int = 2,
+    files: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Make the partial checkpoint ``step`` complete and current.
 
     ``files`` (name -> entry) are the writers' own digests; without them every file in the
@@ -157,11 +168,21 @@ def finalize_checkpoint(root: Path, step: int, meta: dict[str, Any], keep: int =
     final = root / step_name(step)
     try:
         if files is None:
-            files = {p.name: {"blake2b": file_digest(p), "bytes": p.stat().st_size}
-                     for p in sorted(tmp.iterdir())
-                     if p.is_file() and p.name != MANIFEST and not p.name.startswith(RECORD_PREFIX)}
-        manifest = {"format": 3, "step": step, "created": time.time(), "kind": "full", "base": None,
-                    **(extra or {}), "files": files, "meta": meta}
+            files = {
+                p.name: {"blake2b": file_digest(p), "bytes": p.stat().st_size}
+                for p in sorted(tmp.iterdir())
+                if p.is_file() and p.name != MANIFEST and not p.name.startswith(RECORD_PREFIX)
+            }
+        manifest = {
+            "format": 3,
+            "step": step,
+            "created": time.time(),
+            "kind": "full",
+            "base": None,
+            **(extra or {}),
+            "files": files,
+            "meta": meta,
+        }
         atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():
             shutil.rmtree(final)
@@ -181,7 +202,9 @@ def checkpoint_chain(path: Path) -> list[Path]:
     while (base := read_manifest(chain[0]).get("base")) is not None:
         prev = chain[0].parent / base
         if not (prev / MANIFEST).exists():
-            raise CheckpointError(f"checkpoint {chain[0].name} is a delta of {base}, which is missing")
+            raise CheckpointError(
+                f"checkpoint {chain[0].name} is a delta of {base}, which is missing"
+            )
         chain.insert(0, prev)
     return chain
 
@@ -192,8 +215,11 @@ def prune(root: Path, keep: int, latest: Path) -> None:
     partial directories older than ``latest`` (abandoned)."""
     root = Path(root)
     needed = {p.name for p in checkpoint_chain(latest)}
-    older_full = [p for p in sorted(root.glob("step-*"), reverse=True)
-                  if p.name < latest.name and p.name not in needed and _is_full(p)]
+    older_full = [
+        p
+        for p in sorted(root.glob("step-*"), reverse=True)
+        if p.name < latest.name and p.name not in needed and _is_full(p)
+    ]
     needed.update(p.name for p in older_full[: max(keep - 1, 0)])
     for old in root.glob("step-*"):
         if old.name not in needed and old.name < latest.name:

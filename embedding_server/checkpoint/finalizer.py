@@ -88,7 +88,9 @@ class Finalizer:
     def wait(self, cut: PendingCut, timeout_s: float) -> Path:
         """Block until ``cut`` is current (or failed: raises), at most ``timeout_s``."""
         if not cut.done.wait(timeout_s):
-            raise CheckpointError(f"checkpoint {step_name(cut.step)} was not complete within {timeout_s:.0f}s")
+            raise CheckpointError(
+                f"checkpoint {step_name(cut.step)} was not complete within {timeout_s:.0f}s"
+            )
         self.check()
         return cut.path
 
@@ -130,16 +132,20 @@ class Finalizer:
             for name in cut.writers:
                 if name not in records and (record := read_record(directory, name)) is not None:
                     if "error" in record:
-                        raise CheckpointError(f"checkpoint {step_name(cut.step)}: {cut.writers[name]} could not "
-                                              f"write it: {record['error']}")
+                        raise CheckpointError(
+                            f"checkpoint {step_name(cut.step)}: {cut.writers[name]} could not "
+                            f"write it: {record['error']}"
+                        )
                     records[name] = record
             if len(records) == len(cut.writers):
                 return records
             waited = time.monotonic() - cut.issued
             if waited > cut.bound_s:
                 missing = ", ".join(cut.writers[n] for n in cut.writers if n not in records)
-                raise CheckpointError(f"checkpoint {step_name(cut.step)}: {missing} did not finish writing within "
-                                      f"{cut.bound_s:.0f}s (stuck storage?)")
+                raise CheckpointError(
+                    f"checkpoint {step_name(cut.step)}: {missing} did not finish writing within "
+                    f"{cut.bound_s:.0f}s (stuck storage?)"
+                )
             time.sleep(0.05)
 
     def _finish(self, cut: PendingCut) -> Path:
@@ -148,21 +154,38 @@ class Finalizer:
         for record in records.values():
             files.update(record["files"])
         # Each writer's own account (its files' digests are in ``files``, under their names).
-        writers = {name: {**{k: v for k, v in r.items() if k != "files"}, "files": sorted(r["files"])}
-                   for name, r in records.items()}
+        writers = {
+            name: {**{k: v for k, v in r.items() if k != "files"}, "files": sorted(r["files"])}
+            for name, r in records.items()
+        }
         extra = {"kind": cut.kind, "base": cut.base, "writers": writers}
-        path = finalize_checkpoint(self.root, cut.step, cut.meta, self.keep, files=files, extra=extra)
+        path = finalize_checkpoint(
+            self.root, cut.step, cut.meta, self.keep, files=files, extra=extra
+        )
         self.latest_step = cut.step
         stats = {
-            "step": cut.step, "kind": cut.kind, "bytes": sum(f["bytes"] for f in files.values()),
+            "step": cut.step,
+            "kind": cut.kind,
+            "bytes": sum(f["bytes"] for f in files.values()),
             "rows_written": sum(r.get("rows_written", 0) for r in records.values()),
             "rows_allocated": sum(r.get("rows_allocated", 0) for r in records.values()),
             "bytes_allocated": sum(r.get("bytes_allocated", 0) for r in records.values()),
             "seconds": round(time.monotonic() - cut.issued, 3),
         }
         self.completed.append(stats)
-        what, rows = (f"delta of {cut.base}", "rows changed") if cut.base else ("full", "rows trained")
-        log.info("checkpoint %s (%s): %s written: %s %s of %s allocated (%s of tables allocated); "
-                 "current %.1fs after the cut", path.name, what, _mb(stats["bytes"]), f"{stats['rows_written']:,}",
-                 rows, f"{stats['rows_allocated']:,}", _mb(stats["bytes_allocated"]), stats["seconds"])
+        what, rows = (
+            (f"delta of {cut.base}", "rows changed") if cut.base else ("full", "rows trained")
+        )
+        log.info(
+            "checkpoint %s (%s): %s written: %s %s of %s allocated (%s of tables allocated); "
+            "current %.1fs after the cut",
+            path.name,
+            what,
+            _mb(stats["bytes"]),
+            f"{stats['rows_written']:,}",
+            rows,
+            f"{stats['rows_allocated']:,}",
+            _mb(stats["bytes_allocated"]),
+            stats["seconds"],
+        )
         return path

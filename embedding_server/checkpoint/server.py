@@ -37,14 +37,22 @@ class ServerCheckpoints:
         directory = partial_dir(self.root, cut.step)  # made fresh by the master before the header
         files, record = {}, {"pieces": []}
         if server.shard is not None:
-            files, record = snapshot_tables(server.shard, cut.base_step, f"embeddings-server-{self.index}")
+            files, record = snapshot_tables(
+                server.shard, cut.base_step, f"embeddings-server-{self.index}"
+            )
             server.shard.touched.close_cut(cut.step)
         files.update(server.stage.snapshot())
         self.writer.submit(directory, files, record)
-        log.debug("server %d: checkpoint step %d snapshot handed to the writer (%d files)", self.index, cut.step,
-                  len(files))
+        log.debug(
+            "server %d: checkpoint step %d snapshot handed to the writer (%d files)",
+            self.index,
+            cut.step,
+            len(files),
+        )
 
     def close(self, timeout_s: float) -> None:
         """Finish what is being written (bounded by ``timeout_s``)."""
         if not self.writer.close(timeout_s):
-            log.error("server %d: checkpoint writes did not finish within %.0fs", self.index, timeout_s)
+            log.error(
+                "server %d: checkpoint writes did not finish within %.0fs", self.index, timeout_s
+            )

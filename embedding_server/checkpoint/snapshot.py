@@ -45,7 +45,10 @@ class CutRequest:
     def message(self) -> tuple[int, list[int]]:
         """(argument, payload) of the CHECKPOINT message: the step; [the base + 1 (0: full),
         0 (async), 1 (wait) or 3 (wait for the cut already taken)]."""
-        return self.step, [0 if self.base_step is None else self.base_step + 1, int(self.wait) | 2 * int(self.taken)]
+        return self.step, [
+            0 if self.base_step is None else self.base_step + 1,
+            int(self.wait) | 2 * int(self.taken),
+        ]
 
     @classmethod
     def from_message(cls, arg: int, payload: list[int]) -> CutRequest:
@@ -75,7 +78,8 @@ class TouchedRows:
     def close_cut(self, step: int) -> None:
         """A cut at ``step`` took the rows as they are: later lookups open the next generation."""
         self.cut_generation[step] = self.generation
-        for old in sorted(self.cut_generation)[:-8]:  # a base is one of the last cuts (else: superset)
+        # a base is one of the last cuts (else: superset)
+        for old in sorted(self.cut_generation)[:-8]:
             del self.cut_generation[old]
         self.generation += 1
 
@@ -94,7 +98,9 @@ def piece_file(prefix: str, local) -> str:
 
 
 @torch.no_grad()
-def snapshot_tables(shard, base_step: int | None, prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def snapshot_tables(
+    shard, base_step: int | None, prefix: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Copies of ``shard``'s rows changed since ``base_step`` (all trained rows when None):
     (files to write, the record of its pieces). Taken between steps; the copies are what the
     background writer writes while training goes on."""
@@ -106,29 +112,48 @@ def snapshot_tables(shard, base_step: int | None, prefix: str) -> tuple[dict[str
     for i, local in enumerate(shard.local_tables):
         spec, name = local.spec, local.table.name
         ids = touched.since(i, base_step)
-        entry = {"table": name, "index": local.index, "table_rows": local.table.rows, "table_dim": local.table.dim,
-                 "row_start": local.row_start, "rows": spec.rows, "col_start": local.col_start, "dim": spec.dim,
-                 "file": None, "n": int(ids.numel()),
-                 "bytes_allocated": spec.rows * (spec.dim * 4 + state_bytes_per_row(kind, spec.dim))}
+        entry = {
+            "table": name,
+            "index": local.index,
+            "table_rows": local.table.rows,
+            "table_dim": local.table.dim,
+            "row_start": local.row_start,
+            "rows": spec.rows,
+            "col_start": local.col_start,
+            "dim": spec.dim,
+            "file": None,
+            "n": int(ids.numel()),
+            "bytes_allocated": spec.rows * (spec.dim * 4 + state_bytes_per_row(kind, spec.dim)),
+        }
         # A dynamic table's id map (raw id -> row) is written whole with every cut.
-        maps = {key[len(name) + 1:]: value.clone() for key, value in state.items()
-                if key.startswith(f"{name}.idmap.")}
+        maps = {
+            key[len(name) + 1 :]: value.clone()
+            for key, value in state.items()
+            if key.startswith(f"{name}.idmap.")
+        }
         if ids.numel() or maps:
             payload = {"ids": ids.to(torch.int64), **maps}
             for key, value in state.items():
                 if key.startswith(f"{name}.") and not key.startswith(f"{name}.idmap."):
-                    payload[key[len(name) + 1:]] = value.index_select(0, ids)  # a copy
+                    payload[key[len(name) + 1 :]] = value.index_select(0, ids)  # a copy
             entry["file"] = piece_file(prefix, local)
             files[entry["file"]] = payload
         pieces.append(entry)
     opt = shard.optimizer_config
     record = {
-        "pieces": pieces, "kernel_step": int(state["step"]),
-        "init": {"seed": shard.seed, "init_scale": shard.init_scale,
-                 "initial": {name: (opt.initial_accumulator if name == "momentum1" else 0.0)
-                             for name in shard.state_names()},
-                 "row_states": [n for n, shape in state_shapes(kind, 1, 1).items() if len(shape) == 1]},
-        "rows_written": sum(p["n"] for p in pieces), "rows_allocated": sum(p["rows"] for p in pieces),
+        "pieces": pieces,
+        "kernel_step": int(state["step"]),
+        "init": {
+            "seed": shard.seed,
+            "init_scale": shard.init_scale,
+            "initial": {
+                name: (opt.initial_accumulator if name == "momentum1" else 0.0)
+                for name in shard.state_names()
+            },
+            "row_states": [n for n, shape in state_shapes(kind, 1, 1).items() if len(shape) == 1],
+        },
+        "rows_written": sum(p["n"] for p in pieces),
+        "rows_allocated": sum(p["rows"] for p in pieces),
         "bytes_allocated": sum(p["bytes_allocated"] for p in pieces),
     }
     return files, record

@@ -65,7 +65,8 @@ class CheckpointTables:
         self.path = Path(path)
         self.chain = checkpoint_chain(self.path)
         self.tables: dict[str, TableInfo] = {}
-        self.init: dict | None = None  # seed, init_scale, initial states, row states (None: every row saved)
+        # seed, init_scale, initial states, row states (None: every row saved)
+        self.init: dict | None = None
         self.step = 0  # the fused optimizer's step count
         self.layers = [self._index(layer) for layer in self.chain]
         self.last_step = int(read_manifest(self.path)["step"])
@@ -87,7 +88,10 @@ class CheckpointTables:
             for p in record.get("pieces", []):
                 self.tables[p["table"]] = TableInfo(p["index"], p["table_rows"], p["table_dim"])
                 out.setdefault(p["table"], []).append(
-                    SavedPiece(layer, p["file"], p["row_start"], p["rows"], p["col_start"], p["dim"]))
+                    SavedPiece(
+                        layer, p["file"], p["row_start"], p["rows"], p["col_start"], p["dim"]
+                    )
+                )
         if not out:
             raise CheckpointError(f"checkpoint {layer} holds no embedding tables")
         return out
@@ -102,23 +106,37 @@ class CheckpointTables:
             self.step = max(self.step, int(payload.get("step", 0)))
             for table, pieces in payload["pieces"].items():
                 for i, (r0, rows, c0, dim) in enumerate(pieces):
-                    out.setdefault(table, []).append(SavedPiece(layer, name, r0, rows, c0, dim, legacy=i))
+                    out.setdefault(table, []).append(
+                        SavedPiece(layer, name, r0, rows, c0, dim, legacy=i)
+                    )
         for table, pieces in out.items():
-            self.tables[table] = TableInfo(-1, max(p.row_start + p.rows for p in pieces),
-                                           max(p.col_start + p.dim for p in pieces))
+            self.tables[table] = TableInfo(
+                -1,
+                max(p.row_start + p.rows for p in pieces),
+                max(p.col_start + p.dim for p in pieces),
+            )
         return out
 
     def _check_coverage(self, layer: dict[str, list[SavedPiece]]) -> None:
         for table, pieces in layer.items():
             info = self.tables[table]
             for i, a in enumerate(pieces):
-                for b in pieces[i + 1:]:
-                    if (a.row_start < b.row_start + b.rows and b.row_start < a.row_start + a.rows
-                            and a.col_start < b.col_start + b.dim and b.col_start < a.col_start + a.dim):
-                        raise CheckpointError(f"checkpoint {a.layer}: table {table} has overlapping pieces (stale files?)")
+                for b in pieces[i + 1 :]:
+                    if (
+                        a.row_start < b.row_start + b.rows
+                        and b.row_start < a.row_start + a.rows
+                        and a.col_start < b.col_start + b.dim
+                        and b.col_start < a.col_start + a.dim
+                    ):
+                        raise CheckpointError(
+                            f"checkpoint {a.layer}: table {table} has overlapping pieces (stale "
+                            "files?)"
+                        )
             if sum(p.rows * p.dim for p in pieces) != info.rows * info.dim:
-                raise CheckpointError(f"checkpoint {pieces[0].layer}: table {table} rows 0..{info.rows} are not all "
-                                      "saved (a writer is missing)")
+                raise CheckpointError(
+                    f"checkpoint {pieces[0].layer}: table {table} rows 0..{info.rows} are not all "
+                    "saved (a writer is missing)"
+                )
 
     def _load(self, layer: Path, name: str) -> dict:
         key = (layer, name)
@@ -128,7 +146,9 @@ class CheckpointTables:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _rows(self, p: SavedPiece, table: str, state: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rows(
+        self, p: SavedPiece, table: str, state: str, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Saved local rows of ``p`` in [lo, hi) and their ``state`` values."""
         payload = self._load(p.layer, p.file)
         if p.legacy is not None:
@@ -143,16 +163,32 @@ class CheckpointTables:
             raise CheckpointError(f"checkpoint {p.layer}: table {table} has no {state!r} state")
         return ids, values
 
-    def _initial(self, table: str, state: str, row_start: int, rows: int, col_start: int, dim: int,
-                 per_row: bool) -> torch.Tensor:
+    def _initial(
+        self,
+        table: str,
+        state: str,
+        row_start: int,
+        rows: int,
+        col_start: int,
+        dim: int,
+        per_row: bool,
+    ) -> torch.Tensor:
         info = self.tables[table]
         if self.init is None:  # previous format: every row is saved
             return torch.zeros((rows,) if per_row else (rows, dim))
         if state == "weight":
-            local = LocalTable(TableSpec(name=table, rows=info.rows, dim=info.dim), info.index, row_start, col_start,
-                               rows, dim)
+            local = LocalTable(
+                TableSpec(name=table, rows=info.rows, dim=info.dim),
+                info.index,
+                row_start,
+                col_start,
+                rows,
+                dim,
+            )
             return init_rows(local, self.init["seed"], self.init["init_scale"])
-        return torch.full((rows,) if per_row else (rows, dim), float(self.init["initial"].get(state, 0.0)))
+        return torch.full(
+            (rows,) if per_row else (rows, dim), float(self.init["initial"].get(state, 0.0))
+        )
 
     def is_row_state(self, state: str) -> bool:
         if self.init is not None:
@@ -167,8 +203,16 @@ class CheckpointTables:
                 return t is not None and t.dim() == 1
         return False
 
-    def read(self, table: str, state: str, row_start: int, rows: int, col_start: int = 0,
-             dim: int | None = None, initial: bool = True) -> torch.Tensor:
+    def read(
+        self,
+        table: str,
+        state: str,
+        row_start: int,
+        rows: int,
+        col_start: int = 0,
+        dim: int | None = None,
+        initial: bool = True,
+    ) -> torch.Tensor:
         """``state`` of rows [row_start, +rows) and columns [col_start, +dim) of ``table``.
 
         Returns float [rows, dim] (or [rows] for row-wise states). ``initial=False``: rows that
@@ -179,10 +223,15 @@ class CheckpointTables:
             raise CheckpointError(f"checkpoint {self.path} has no table {table}")
         dim = info.dim - col_start if dim is None else dim
         per_row = self.is_row_state(state)
-        out = (self._initial(table, state, row_start, rows, col_start, dim, per_row) if initial
-               else torch.zeros((rows,) if per_row else (rows, dim)))
+        out = (
+            self._initial(table, state, row_start, rows, col_start, dim, per_row)
+            if initial
+            else torch.zeros((rows,) if per_row else (rows, dim))
+        )
         for layer in self.layers:
-            self._overlay(out, layer.get(table, []), table, state, row_start, rows, col_start, dim, per_row)
+            self._overlay(
+                out, layer.get(table, []), table, state, row_start, rows, col_start, dim, per_row
+            )
         return out
 
     def _overlay(self, out, pieces, table, state, row_start, rows, col_start, dim, per_row) -> None:
@@ -200,7 +249,9 @@ class CheckpointTables:
                 acc[at] += values.double() * p.dim
                 weight[at] += p.dim
             else:
-                out[at, ca - col_start : cb - col_start] = values[:, ca - p.col_start : cb - p.col_start].float()
+                out[at, ca - col_start : cb - col_start] = values[
+                    :, ca - p.col_start : cb - p.col_start
+                ].float()
         if per_row:
             have = weight > 0
             out[have] = (acc[have] / weight[have]).float()
@@ -216,19 +267,25 @@ class CheckpointTables:
                     found.append(ids + (p.row_start - row_start))
         return torch.unique(torch.cat(found)) if found else torch.zeros(0, dtype=torch.int64)
 
-    def state_for(self, tables: list[LocalTable], state_names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def state_for(
+        self, tables: list[LocalTable], state_names: tuple[str, ...]
+    ) -> dict[str, torch.Tensor]:
         """The import_state() dict of a shard holding ``tables`` (any sharding)."""
         out: dict[str, torch.Tensor] = {"step": torch.tensor(self.step)}
         for local in tables:
             spec = local.spec
             name = local.table.name
             for state in ("weight", *state_names):
-                out[f"{name}.{state}"] = self.read(name, state, local.row_start, spec.rows, local.col_start, spec.dim)
+                out[f"{name}.{state}"] = self.read(
+                    name, state, local.row_start, spec.rows, local.col_start, spec.dim
+                )
             if local.table.dynamic is not None:
                 out.update(self.id_map(name, local.row_start, spec.rows))
         return out
 
-    def id_map(self, table: str, row_start: int = 0, rows: int | None = None) -> dict[str, torch.Tensor]:
+    def id_map(
+        self, table: str, row_start: int = 0, rows: int | None = None
+    ) -> dict[str, torch.Tensor]:
         """A dynamic table's id map as of the checkpoint, ``<table>.idmap.<name>`` -> tensor
         (every cut writes it whole; column pieces of a table hold identical maps); of its piece
         of rows [row_start, +rows) when it is split by rows (each piece maps its own ids). Empty
@@ -241,9 +298,12 @@ class CheckpointTables:
         saved, n = self.row_pieces(table), rows or self.tables[table].rows
         if saved and (row_start, n) not in saved:
             raise CheckpointError(
-                f"checkpoint {self.path}: dynamic table {table} has no piece of rows {row_start}..{row_start + n} "
-                f"(it is {'whole' if len(saved) == 1 else f'split by rows in {len(saved)} pieces'} there): restore "
-                f"it with load_into, which moves its ids between pieces")
+                f"checkpoint {self.path}: dynamic table {table} has no piece of rows "
+                f"{row_start}..{row_start + n} "
+                f"(it is {'whole' if len(saved) == 1 else f'split by rows in {len(saved)} pieces'} "
+                "there): restore "
+                f"it with load_into, which moves its ids between pieces"
+            )
         for layer in reversed(self.layers):
             for p in layer.get(table, []):
                 if p.file is None or p.legacy is not None or p.row_start != row_start:
@@ -260,19 +320,28 @@ class CheckpointTables:
         table = local.table
         if table.dynamic is None or table.name not in self.tables:
             return False
-        saved = PieceLayout.of(table.rows, table.dynamic, len(self.row_pieces(table.name)), table.name)
+        saved = PieceLayout.of(
+            table.rows, table.dynamic, len(self.row_pieces(table.name)), table.name
+        )
         return saved != PieceLayout.of(table.rows, table.dynamic, local.row_pieces, table.name)
 
-    def _load_moved(self, state: dict[str, torch.Tensor], shard, i: int, local: LocalTable) -> dict[str, torch.Tensor]:
-        """Piece ``i`` of ``shard`` restored from a checkpoint that split its dynamic table otherwise:
+    def _load_moved(
+        self, state: dict[str, torch.Tensor], shard, i: int, local: LocalTable
+    ) -> dict[str, torch.Tensor]:
+        """Piece ``i`` of ``shard`` restored from a checkpoint that split its dynamic table
+        otherwise:
         its rows from wherever their ids (and shared indices) were, one old piece's chunk at a
         time; -> its id map."""
         spec, name = local.spec, local.table.name
         plan = move_piece(self, local)
         order = torch.argsort(plan.sources)
-        sources, targets = plan.sources[order], plan.targets[order]  # by old row: a chunk's are a run
-        chunks = [(c, min(CHUNK_ROWS, start + n - c)) for start, n in self.row_pieces(name)
-                  for c in range(start, start + n, CHUNK_ROWS)]
+        # by old row: a chunk's are a run
+        sources, targets = plan.sources[order], plan.targets[order]
+        chunks = [
+            (c, min(CHUNK_ROWS, start + n - c))
+            for start, n in self.row_pieces(name)
+            for c in range(start, start + n, CHUNK_ROWS)
+        ]
         for st in ("weight", *shard.state_names()):
             dst = state[f"{name}.{st}"]
             for c, m in chunks:
@@ -293,8 +362,12 @@ class CheckpointTables:
         """Restore a freshly built shard (any sharding), a chunk of rows at a time. Rows no
         checkpoint saved keep the shard's own initial state when it was seeded as the run was;
         else they are regenerated."""
-        same_init = (self.init is not None and shard.touched.count() == 0 and shard.seed == self.init["seed"]
-                     and shard.init_scale == self.init["init_scale"])
+        same_init = (
+            self.init is not None
+            and shard.touched.count() == 0
+            and shard.seed == self.init["seed"]
+            and shard.init_scale == self.init["init_scale"]
+        )
         state = shard.export_state()  # views
         moved: dict[str, dict[str, torch.Tensor]] = {}  # dynamic tables split otherwise: their maps
         for i, local in enumerate(shard.local_tables):
@@ -310,17 +383,38 @@ class CheckpointTables:
                     if same_init:  # only the saved rows change
                         sel = saved[(saved >= r) & (saved < r + n)]
                         if sel.numel():
-                            part = self.read(name, st, local.row_start + r, n, local.col_start, spec.dim, initial=False)
+                            part = self.read(
+                                name,
+                                st,
+                                local.row_start + r,
+                                n,
+                                local.col_start,
+                                spec.dim,
+                                initial=False,
+                            )
                             dst[sel] = part[sel - r].to(dst.dtype)
                     else:
-                        dst[r : r + n] = self.read(name, st, local.row_start + r, n, local.col_start, spec.dim)
+                        dst[r : r + n] = self.read(
+                            name, st, local.row_start + r, n, local.col_start, spec.dim
+                        )
             shard.touched.restored(i, saved, self.last_step)
-        for i, local in enumerate(shard.local_tables):  # after every restored(): a generation past its cut
-            if local.table.name in moved:  # every row rewritten by the next checkpoint (delta or not):
-                shard.touched.mark(i, torch.arange(local.spec.rows))  # its global rows hold others' here
+        # after every restored(): a generation past its cut
+        for i, local in enumerate(shard.local_tables):
+            # every row rewritten by the next checkpoint (delta or not):
+            if local.table.name in moved:
+                # its global rows hold others' here
+                shard.touched.mark(i, torch.arange(local.spec.rows))
         dynamic = [local for local in shard.local_tables if local.table.dynamic is not None]
         if dynamic:  # their id maps
-            shard.load_id_maps({k: v for local in dynamic for k, v in (
-                moved.get(local.table.name) or self.id_map(local.table.name, local.row_start, local.spec.rows)).items()})
+            shard.load_id_maps(
+                {
+                    k: v
+                    for local in dynamic
+                    for k, v in (
+                        moved.get(local.table.name)
+                        or self.id_map(local.table.name, local.row_start, local.spec.rows)
+                    ).items()
+                }
+            )
         for kernel in shard.kernels:
             kernel.step = self.step

@@ -7,7 +7,8 @@
                       partial directory: its files and digests, or the error that stopped it
 
 Jobs are written in the order they were submitted. The master trainer's finaliser
-(``checkpoint/finalizer.py``) waits for every writer's record of a checkpoint before making it current.
+(``checkpoint/finalizer.py``) waits for every writer's record of a checkpoint before making it
+current.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class CheckpointWriter:
         self._jobs: queue.Queue = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"checkpoint-writer-{name}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"checkpoint-writer-{name}", daemon=True
+        )
         self._thread.start()
         _WRITERS.add(self)
 
@@ -94,13 +97,24 @@ class CheckpointWriter:
             directory, files, record = job
             t0 = time.perf_counter()
             try:
-                entries = {name: save_file(directory, name, obj, self.bytes_per_s) for name, obj in files.items()}
-                write_record(directory, self.name, {**record, "files": entries,
-                                                    "write_s": round(time.perf_counter() - t0, 3)})
-            except Exception as exc:  # told to the finaliser through the record, when it can be written
+                entries = {
+                    name: save_file(directory, name, obj, self.bytes_per_s)
+                    for name, obj in files.items()
+                }
+                write_record(
+                    directory,
+                    self.name,
+                    {**record, "files": entries, "write_s": round(time.perf_counter() - t0, 3)},
+                )
+            # told to the finaliser through the record, when it can be written
+            except Exception as exc:
                 log.error("checkpoint writer %s: %s", self.name, exc)
                 try:
-                    write_record(directory, self.name, {"error": str(exc).splitlines()[0] if str(exc) else repr(exc)})
+                    write_record(
+                        directory,
+                        self.name,
+                        {"error": str(exc).splitlines()[0] if str(exc) else repr(exc)},
+                    )
                 except OSError:
                     pass
             finally:

@@ -58,11 +58,15 @@ class ClientStage(Protocol):
     def messages(self, b: int) -> Messages:
         """The pooled messages of a lookup of ``b`` examples, in order."""
 
-    def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+    def assemble(
+        self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]
+    ) -> torch.Tensor:
         """The received messages (as :meth:`messages` lists them) -> the dense input
         [B, sum of output dims]."""
 
-    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    def split_grad(
+        self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]
+    ) -> list[tuple[int, torch.Tensor]]:
         """Its gradient -> (server index, flat part) of each gradient message, in sending order."""
 
 
@@ -74,20 +78,31 @@ class FlatStage:
 
     layout = None
 
-    def __init__(self, plan: ShardingPlan, spec: FeatureSpec, num_servers: int, chunks: int = 1) -> None:
+    def __init__(
+        self, plan: ShardingPlan, spec: FeatureSpec, num_servers: int, chunks: int = 1
+    ) -> None:
         self.spec = spec
-        self.server_slots = [plan.slots_on(s, spec.feature_tables, chunks) for s in range(num_servers)]
+        self.server_slots = [
+            plan.slots_on(s, spec.feature_tables, chunks) for s in range(num_servers)
+        ]
         self.chunk_dims = []  # per server, per chunk: its slots' dims
         for s, slots in enumerate(self.server_slots):
             sizes = plan.chunks_on(s, spec.feature_tables, chunks) if slots else []
             starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-            self.chunk_dims.append([[p.dim for _, p in slots[starts[k] : starts[k + 1]]] for k in range(len(sizes))])
+            self.chunk_dims.append(
+                [[p.dim for _, p in slots[starts[k] : starts[k + 1]]] for k in range(len(sizes))]
+            )
         self.chunk_widths = [[sum(d) for d in dims] for dims in self.chunk_dims]
         self.widths = [sum(w) for w in self.chunk_widths]
         self.feature_pieces = [plan.pieces_of(spec.tables[t].name) for t in spec.feature_tables]
         rounds = max((len(w) for w in self.chunk_widths), default=0)
         # Message order: chunk 0 of every server, then chunk 1 ... (each server's chunks in order).
-        self.order = [(s, k) for k in range(rounds) for s in range(num_servers) if k < len(self.chunk_widths[s])]
+        self.order = [
+            (s, k)
+            for k in range(rounds)
+            for s in range(num_servers)
+            if k < len(self.chunk_widths[s])
+        ]
         self.runs = self._column_runs(spec, chunks)
         """Table-wise plans only (else None): per message (in order), the runs [a, b) of dense-input
         columns its slots fill, in slot order; pooled vectors and gradients move as column
@@ -126,10 +141,14 @@ class FlatStage:
     def correct(self, received: list[torch.Tensor], fixes: list[torch.Tensor], b: int) -> int:
         """Patch the received pooled messages [B * width_k] with their corrections, in place;
         -> the corrections' elements."""
-        return sum(patch(msg.view(b, self.chunk_widths[s][k]), fix, self.chunk_dims[s][k])
-                   for (s, k), msg, fix in zip(self.order, received, fixes, strict=True))
+        return sum(
+            patch(msg.view(b, self.chunk_widths[s][k]), fix, self.chunk_dims[s][k])
+            for (s, k), msg, fix in zip(self.order, received, fixes, strict=True)
+        )
 
-    def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+    def assemble(
+        self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]
+    ) -> torch.Tensor:
         if self.runs is not None:
             return self._assemble_columns(received, b)
         blocks: list[list[torch.Tensor]] = [[None] * len(w) for w in self.chunk_widths]
@@ -139,13 +158,20 @@ class FlatStage:
         for s, slots in enumerate(self.server_slots):
             if not slots:
                 continue
-            block = torch.cat(blocks[s], dim=1) if len(blocks[s]) > 1 else blocks[s][0]  # [B, width_s]
-            for (f, p), c in zip(slots, torch.split(block, [p.dim for _, p in slots], dim=1), strict=True):
+            # [B, width_s]
+            block = torch.cat(blocks[s], dim=1) if len(blocks[s]) > 1 else blocks[s][0]
+            for (f, p), c in zip(
+                slots, torch.split(block, [p.dim for _, p in slots], dim=1), strict=True
+            ):
                 slot_out[(f, id(p))] = c
         feats = []
         for f, pieces in enumerate(self.feature_pieces):
             table = self.spec.table_of(f)
-            feats.append(scheme_for(pieces[0].kind, table).combine([slot_out[(f, id(p))] for p in pieces], bag_lengths[f], table))
+            feats.append(
+                scheme_for(pieces[0].kind, table).combine(
+                    [slot_out[(f, id(p))] for p in pieces], bag_lengths[f], table
+                )
+            )
         return torch.cat(feats, dim=1)
 
     def _assemble_columns(self, received: list[torch.Tensor], b: int) -> torch.Tensor:
@@ -161,23 +187,42 @@ class FlatStage:
                 col += e - a
         return out
 
-    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
-        if self.runs is not None:  # table-wise: each message's columns, flat (a view when they are all of it)
-            return [(s, (grad[:, runs[0][0] : runs[0][1]] if len(runs) == 1 else
-                         torch.cat([grad[:, a:e] for a, e in runs], dim=1)).reshape(-1))
-                    for (s, _), runs in zip(self.order, self.runs, strict=True)]
+    def split_grad(
+        self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]
+    ) -> list[tuple[int, torch.Tensor]]:
+        # table-wise: each message's columns, flat (a view when they are all of it)
+        if self.runs is not None:
+            return [
+                (
+                    s,
+                    (
+                        grad[:, runs[0][0] : runs[0][1]]
+                        if len(runs) == 1
+                        else torch.cat([grad[:, a:e] for a, e in runs], dim=1)
+                    ).reshape(-1),
+                )
+                for (s, _), runs in zip(self.order, self.runs, strict=True)
+            ]
         per_slot = {}
         col = 0
         for f, pieces in enumerate(self.feature_pieces):
             table = self.spec.table_of(f)
             g = grad[:, col : col + table.dim]
             col += table.dim
-            for p, gp in zip(pieces, scheme_for(pieces[0].kind, table).split_grad(g, bag_lengths[f], pieces, table), strict=True):
+            for p, gp in zip(
+                pieces,
+                scheme_for(pieces[0].kind, table).split_grad(g, bag_lengths[f], pieces, table),
+                strict=True,
+            ):
                 per_slot[(f, id(p))] = gp
-        per_server = [torch.cat([per_slot[(f, id(p))] for f, p in slots], dim=1) if slots else None
-                      for slots in self.server_slots]
-        chunks = [torch.split(g, w, dim=1) if g is not None else [] for g, w in zip(per_server, self.chunk_widths,
-                                                                                      strict=True)]
+        per_server = [
+            torch.cat([per_slot[(f, id(p))] for f, p in slots], dim=1) if slots else None
+            for slots in self.server_slots
+        ]
+        chunks = [
+            torch.split(g, w, dim=1) if g is not None else []
+            for g, w in zip(per_server, self.chunk_widths, strict=True)
+        ]
         return [(s, chunks[s][k].reshape(-1)) for s, k in self.order]
 
 
@@ -219,9 +264,18 @@ class DistributedEmbeddingClient(EmbeddingClient):
         corrected: training lookups come with corrections (``pipeline = exact``, flat stage).
     """
 
-    def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, grad_scale: float = 1.0,
-                 exchange_dtype: str = "fp32", stage: ClientStage | None = None, chunks: int = 1,
-                 device: torch.device | str = "cpu", corrected: bool = False) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        plan: ShardingPlan,
+        spec: FeatureSpec,
+        grad_scale: float = 1.0,
+        exchange_dtype: str = "fp32",
+        stage: ClientStage | None = None,
+        chunks: int = 1,
+        device: torch.device | str = "cpu",
+        corrected: bool = False,
+    ) -> None:
         self.cluster = cluster
         self.device = torch.device(device)
         self.roles = cluster.roles
@@ -231,7 +285,9 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self.feature_tables = spec.feature_tables
         self.grad_scale = grad_scale
         self.wire_dtype = EXCHANGE_DTYPES[exchange_dtype]
-        self.server_slots = [plan.slots_on(s, spec.feature_tables) for s in range(self.roles.num_servers)]
+        self.server_slots = [
+            plan.slots_on(s, spec.feature_tables) for s in range(self.roles.num_servers)
+        ]
         self.feature_pieces = [plan.pieces_of(spec.tables[t].name) for t in spec.feature_tables]
         self.transport = cluster.transport
         self.servers = [self.roles.server_rank(s) for s in range(self.roles.num_servers)]
@@ -239,8 +295,14 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self.stage = stage or FlatStage(plan, spec, self.roles.num_servers, chunks)
         self.corrected = corrected and stage is None and self.transport.pipelined
         self._placeholder = torch.zeros(0, requires_grad=True)
-        self._stats = {"comm_s": 0.0, "bytes_out": 0, "bytes_in": 0, "lookups": 0, "prefetched": 0,
-                       "correction_bytes": 0}
+        self._stats = {
+            "comm_s": 0.0,
+            "bytes_out": 0,
+            "bytes_in": 0,
+            "lookups": 0,
+            "prefetched": 0,
+            "correction_bytes": 0,
+        }
         self._next: Future | None = None  # a prefetched training lookup
         self._sends: list[Pending] = []  # gradient messages still being sent
         self._pool: ThreadPoolExecutor | None = None
@@ -267,7 +329,8 @@ class DistributedEmbeddingClient(EmbeddingClient):
         """Whether lookups can be sent ahead (point-to-point transport)."""
         return self.transport.pipelined
 
-    # -- messages -------------------------------------------------------------------------------------
+    # -- messages
+    # -------------------------------------------------------------------------------------
 
     def _route(self, sparse: SparseFeatures) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each feature's bags to the servers holding its table's pieces: (payload per server,
@@ -279,9 +342,16 @@ class DistributedEmbeddingClient(EmbeddingClient):
             lengths = offsets[1:] - offsets[:-1]  # [B]
             bag_lengths.append(lengths)
             table = self.spec.table_of(f)
-            for piece, part in zip(pieces, scheme_for(pieces[0].kind, table).route(values, lengths, pieces, table), strict=True):
+            for piece, part in zip(
+                pieces,
+                scheme_for(pieces[0].kind, table).route(values, lengths, pieces, table),
+                strict=True,
+            ):
                 routed[(f, id(piece))] = part
-        payloads = [pack_ids([routed[(f, id(p))] for f, p in slots], self.id_dtype) for slots in self.server_slots]
+        payloads = [
+            pack_ids([routed[(f, id(p))] for f, p in slots], self.id_dtype)
+            for slots in self.server_slots
+        ]
         return payloads, bag_lengths
 
     def _command(self, command: Command, arg: int = 0, payload: list[int] | None = None) -> None:
@@ -300,19 +370,28 @@ class DistributedEmbeddingClient(EmbeddingClient):
         layout = self.stage.messages(b)
         with self._lock:  # one id message per server and step, in order
             sent = self.transport.send_ids(messages)
-            pooled = self.transport.recv_floats([self.servers[s] for s, _ in layout], [n for _, n in layout],
-                                                self.wire_dtype, POOLED)
+            pooled = self.transport.recv_floats(
+                [self.servers[s] for s, _ in layout],
+                [n for _, n in layout],
+                self.wire_dtype,
+                POOLED,
+            )
             fixes = None
             if self.corrected and command == Command.LOOKUP_TRAIN:
                 caps = self.stage.corrections(b)
-                fixes = self.transport.recv_floats([self.servers[s] for s, _ in caps], [n for _, n in caps],
-                                                   self.wire_dtype, CORRECT)
+                fixes = self.transport.recv_floats(
+                    [self.servers[s] for s, _ in caps],
+                    [n for _, n in caps],
+                    self.wire_dtype,
+                    CORRECT,
+                )
         self._stats["bytes_out"] += sum(m.numel() * m.element_size() for m in messages)
         self._stats["lookups"] += 1
         return _InFlight(sparse, b, bag_lengths, sent, pooled, fixes)
 
     def _finish(self, inflight: _InFlight) -> torch.Tensor:
-        """Wait for the pooled vectors and assemble the dense network's input [B, sum of output dims]."""
+        """Wait for the pooled vectors and assemble the dense network's input [B, sum of output
+        dims]."""
         t0 = time.perf_counter()
         parts = inflight.pooled.wait()
         if inflight.corrections is not None:
@@ -332,7 +411,9 @@ class DistributedEmbeddingClient(EmbeddingClient):
         parts = self.stage.split_grad(grad, inflight.batch, inflight.bag_lengths)
         tensors = [self._scaled(t, grad).to(self.wire_dtype) for _, t in parts]
         t0 = time.perf_counter()
-        self._sends.append(self.transport.send_floats([self.servers[s] for s, _ in parts], tensors, GRADS))
+        self._sends.append(
+            self.transport.send_floats([self.servers[s] for s, _ in parts], tensors, GRADS)
+        )
         self._stats["comm_s"] += time.perf_counter() - t0
         self._stats["bytes_out"] += sum(t.numel() * t.element_size() for t in tensors)
 

@@ -26,7 +26,8 @@ class InProcessEmbeddingClient(EmbeddingClient):
         tables: the model's tables.
         feature_tables: the table of each categorical feature (None: one feature per table).
         remap_ahead: dynamic tables remap the next batch's ids during this step when it is
-            prefetched (``idmap/ahead.py``; the trainer passes :func:`~embedding_server.idmap.ahead.overlaps`).
+            prefetched (``idmap/ahead.py``; the trainer passes
+            :func:`~embedding_server.idmap.ahead.overlaps`).
     """
 
     def __init__(
@@ -40,9 +41,15 @@ class InProcessEmbeddingClient(EmbeddingClient):
         remap_ahead: bool = True,
     ) -> None:
         self.tables, self.remap_ahead = tables, remap_ahead
-        self.feature_tables = list(range(len(tables))) if feature_tables is None else list(feature_tables)
+        self.feature_tables = (
+            list(range(len(tables))) if feature_tables is None else list(feature_tables)
+        )
         self.shard = EmbeddingShard(
-            [LocalTable(t, i) for i, t in enumerate(tables)], optimizer, device, seed, init_scale,
+            [LocalTable(t, i) for i, t in enumerate(tables)],
+            optimizer,
+            device,
+            seed,
+            init_scale,
             self.feature_tables,
         )
         self.device = torch.device(device)

@@ -34,7 +34,8 @@ from dlrm_core.threads import LazyPool
 from embedding_server.idmap.remap import ShardIdMaps
 
 WAIT_S = 600.0
-"""The longest a lookup waits for its remap (local compute: seconds at most; a bound, not a timing)."""
+"""The longest a lookup waits for its remap (local compute: seconds at most; a bound, not a
+timing)."""
 _worker = LazyPool(1, "remap-ahead", torch.set_num_threads, (1,))
 """The process's one remap thread (intra-op threads: one; started on first use)."""
 
@@ -81,4 +82,6 @@ class RemapAhead:
         try:
             return self.future.result(timeout=WAIT_S)
         except FutureTimeout:
-            raise TimeoutError(f"the id maps' remap of the next batch took over {WAIT_S:.0f}s") from None
+            raise TimeoutError(
+                f"the id maps' remap of the next batch took over {WAIT_S:.0f}s"
+            ) from None

@@ -37,7 +37,9 @@ from embedding_server.idmap.native import victims as native_victims
 from embedding_server.idmap.sketch import RESET_FACTOR, sketch_cells_of
 from embedding_server.idmap.victims import RecentVictims
 
-CLOCK, FREE, ADMITTED, EVICTED = (COUNTERS.index(n) for n in ("clock", "free", "admitted", "evicted"))
+CLOCK, FREE, ADMITTED, EVICTED = (
+    COUNTERS.index(n) for n in ("clock", "free", "admitted", "evicted")
+)
 NO_KEY = torch.iinfo(torch.int64).max
 """Sort key of rows that may not be evicted."""
 NO_INDEX = torch.iinfo(torch.int32).max
@@ -64,7 +66,12 @@ def _pairs_in_order(ids: torch.Tensor, tables: torch.Tensor, order: torch.Tensor
     which = torch.cumsum(first, 0) - 1  # [n] pair of each sorted element
     inverse = torch.empty_like(which).scatter_(0, order, which)
     at = where_true(first)
-    return si.index_select(0, at), st.index_select(0, at), inverse, torch.bincount(which, minlength=at.numel())
+    return (
+        si.index_select(0, at),
+        st.index_select(0, at),
+        inverse,
+        torch.bincount(which, minlength=at.numel()),
+    )
 
 
 def unique_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
@@ -87,7 +94,9 @@ def table_pairs(ids: torch.Tensor, tables: torch.Tensor, count: int):
     return _pairs_in_order(ids, tables, torch.from_numpy(order.astype(np.int64, copy=False)))
 
 
-def by_table_then_priority(tables: torch.Tensor, priority: torch.Tensor, count: int) -> torch.Tensor:
+def by_table_then_priority(
+    tables: torch.Tensor, priority: torch.Tensor, count: int
+) -> torch.Tensor:
     """Order of k candidates by table, then priority descending, then position (``tables`` [k],
     ``priority`` [k] >= 0) -> int64 [k]: one sort of keys packing (table, top - priority,
     position) in bit fields where they fit in int64, else two stable sorts."""
@@ -95,7 +104,8 @@ def by_table_then_priority(tables: torch.Tensor, priority: torch.Tensor, count: 
     top = int(priority.max())
     pb, kb = bits(top), bits(k - 1)
     if bits(count) + pb + kb < 63:
-        key = (tables << (pb + kb)).bitwise_or_((top - priority) << kb).bitwise_or_(torch.arange(k))  # distinct keys
+        # distinct keys
+        key = (tables << (pb + kb)).bitwise_or_((top - priority) << kb).bitwise_or_(torch.arange(k))
         return sort_distinct(key).bitwise_and_((1 << kb) - 1)
     order = torch.argsort(-priority, stable=True)
     return order.index_select(0, torch.argsort(tables.index_select(0, order), stable=True))
@@ -117,11 +127,18 @@ class MapGroup:
         reset: fresh weights and optimizer state for rows given to new ids.
     """
 
-    def __init__(self, maps: list[DynamicIdMap], keys: torch.Tensor, slots: torch.Tensor,
-                 stacked: dict[str, torch.Tensor], reset: GroupReset | None = None) -> None:
+    def __init__(
+        self,
+        maps: list[DynamicIdMap],
+        keys: torch.Tensor,
+        slots: torch.Tensor,
+        stacked: dict[str, torch.Tensor],
+        reset: GroupReset | None = None,
+    ) -> None:
         m0 = maps[0]
         self.maps, self.cfg, self.rows, self.shared = maps, m0.cfg, m0.rows, m0.shared
-        # Each map's shared rule (pieces of tables split over servers: ``pieces.py``): hash % S_t - o_t.
+        # Each map's shared rule (pieces of tables split over servers: ``pieces.py``): hash % S_t -
+        # o_t.
         self.shared_total = torch.tensor([m.shared_total for m in maps], dtype=torch.int64)  # [M]
         self.shared_offset = torch.tensor([m.shared_offset for m in maps], dtype=torch.int64)  # [M]
         self.whole = all(m.shared_offset == 0 and m.shared_total == m0.shared for m in maps)
@@ -129,11 +146,13 @@ class MapGroup:
         self.keys, self.slots = keys, slots
         self.s, self.reset = stacked, reset
         self.sketch = m0.sketch if has_sketch(self.cfg) else None
-        self.first = torch.full_like(slots, NO_INDEX, dtype=torch.int32)  # [M * H] scratch of _insert
+        # [M * H] scratch of _insert
+        self.first = torch.full_like(slots, NO_INDEX, dtype=torch.int32)
         # [M * R] the bucket of each row's id, as _insert placed it (a cache, checked before use:
         # -1 or stale after a rebuild or a load; _release then probes for those rows).
         self.bucket_of = torch.full((self.count * self.rows,), -1, dtype=torch.int64)
-        self.recent = RecentVictims(self.count, self.rows)  # lru / ttl victims from the oldest rows only
+        # lru / ttl victims from the oldest rows only
+        self.recent = RecentVictims(self.count, self.rows)
 
     def admit(self, ids: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Rows of ids [n] not in their table's map (``tables`` [n]: the table of each, in the
@@ -141,7 +160,9 @@ class MapGroup:
         uniq, ut, inverse, counts = unique_pairs(ids, tables, self.count)  # [u] each
         return self.admit_distinct(uniq, ut, counts).index_select(0, inverse)
 
-    def admit_distinct(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def admit_distinct(
+        self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
         """:meth:`admit` of distinct pairs (``uniq`` [u] of tables ``ut`` [u], each table's in id
         order; ``counts`` [u]: their occurrences) -> rows int64 [u]."""
         rows = self.local_shared(uniq, ut)  # [u]
@@ -150,10 +171,13 @@ class MapGroup:
             priority = self._count(uniq, ut, counts)
             ok = priority >= self.cfg.admit_after
             cand, priority = cand[ok], priority[ok]
-        if cand.numel():  # by table, then most frequent first (ties: lower id, as torch.unique sorts)
+        # by table, then most frequent first (ties: lower id, as torch.unique sorts)
+        if cand.numel():
             order = by_table_then_priority(ut.index_select(0, cand), priority, self.count)
             cand, priority = cand.index_select(0, order), priority.index_select(0, order)
-            taken, slots = self._admit(uniq.index_select(0, cand), ut.index_select(0, cand), priority)
+            taken, slots = self._admit(
+                uniq.index_select(0, cand), ut.index_select(0, cand), priority
+            )
             rows.index_copy_(0, cand.index_select(0, taken), slots)
         return rows
 
@@ -161,20 +185,27 @@ class MapGroup:
         """Shared row of each of ids [n] in its map (``tables`` [n], in the group), int64 [n]."""
         if self.whole:
             return shared_rows_of(ids, self.shared)
-        return shared_rows_of(ids, self.shared_total.index_select(0, tables), self.shared_offset.index_select(0, tables))
+        return shared_rows_of(
+            ids,
+            self.shared_total.index_select(0, tables),
+            self.shared_offset.index_select(0, tables),
+        )
 
     def _count(self, uniq: torch.Tensor, ut: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Add the occurrences to each table's sketch -> estimates int64 [u]; halve the sketches
         (and use counts) of the tables that reached their reset."""
         width, depth = self.sketch.width, self.sketch.depth
         added = self.s["sketch_added"]
-        estimate = native_sketch_add(self.s["sketch_counts"], added, uniq, ut, counts, width, depth)  # [u]
+        # [u]
+        estimate = native_sketch_add(self.s["sketch_counts"], added, uniq, ut, counts, width, depth)
         if estimate is None:
             cells = sketch_cells_of(uniq, width, depth) + ut * (depth * width)  # [d, u]
             flat = self.s["sketch_counts"].view(-1)  # [M * d * W]
             flat.scatter_add_(0, cells.reshape(-1), counts.to(torch.int32).repeat(depth))
             added.index_add_(0, ut, counts)
-            estimate = flat.index_select(0, cells.view(-1)).view(cells.shape).amin(dim=0).to(torch.int64)
+            estimate = (
+                flat.index_select(0, cells.view(-1)).view(cells.shape).amin(dim=0).to(torch.int64)
+            )
         halve = where_true(added >= RESET_FACTOR * width)
         if halve.numel():
             self.s["sketch_counts"][halve] = self.s["sketch_counts"][halve] >> 1
@@ -192,9 +223,11 @@ class MapGroup:
         if self.cfg.evict == "lfu":
             take = rank < free_t.index_select(0, tables)
             if need.numel():
-                out = torch.cumsum(k_t, 0) - k_t + free_t  # [M] each table's first candidate without a free row
-                vt, vrow, vrank = self._victims(need, k_t[need] - free_t[need], clock,
-                                                below=priority.index_select(0, out[need]))
+                # [M] each table's first candidate without a free row
+                out = torch.cumsum(k_t, 0) - k_t + free_t
+                vt, vrow, vrank = self._victims(
+                    need, k_t[need] - free_t[need], clock, below=priority.index_select(0, out[need])
+                )
                 faced = out.index_select(0, vt) + vrank  # the candidate each victim faces
                 used = self.s["uses"].view(-1).index_select(0, vt * self.rows + vrow)
                 wins = where_true(priority.index_select(0, faced) > used)
@@ -203,7 +236,9 @@ class MapGroup:
         else:
             if need.numel():
                 chunk = (self.rows - self.shared) // EVICT_CHUNK
-                vt, vrow, _ = self._victims(need, (k_t[need] - free_t[need]).clamp(min=chunk), clock)
+                vt, vrow, _ = self._victims(
+                    need, (k_t[need] - free_t[need]).clamp(min=chunk), clock
+                )
                 self._release(vt, vrow)
             take = rank < torch.minimum(k_t, counters[:, FREE])[tables]
         taken = where_true(take)  # [a] by table, then rank
@@ -226,23 +261,39 @@ class MapGroup:
         counters[:, ADMITTED] += n_t
         return taken, slots
 
-    def _victims(self, tabs: torch.Tensor, n: torch.Tensor, clock: int, below: torch.Tensor | None = None):
+    def _victims(
+        self, tabs: torch.Tensor, n: torch.Tensor, clock: int, below: torch.Tensor | None = None
+    ):
         """Up to n[i] rows of table tabs[i] that the policy frees now, least recent first (lru,
         ttl) or least used, then least recent (lfu); ties: lowest row; ``below`` [len(tabs)]: lfu,
         only rows used fewer times -> (tables [v], rows [v], rank within its table [v])."""
-        top = clock - self.cfg.ttl_steps if self.cfg.evict == "ttl" else clock - 2  # movable: last <= top
-        if below is None and int(n.max()) < self.rows and self.recent.fits(clock):  # lru, ttl: from the lists
+        # movable: last <= top
+        top = clock - self.cfg.ttl_steps if self.cfg.evict == "ttl" else clock - 2
+        # lru, ttl: from the lists
+        if below is None and int(n.max()) < self.rows and self.recent.fits(clock):
             return self.recent.choose(tabs, n, self.s["last"], self.s["used"], top, clock)
-        fits = below is None or int(below.max()) * (clock + 2) * self.rows < 1 << 62  # packed keys fit in int64
-        lfu = (clock + 1) * self.rows if below is not None else 0  # key (uses, last, row) / (last, row)
+        # packed keys fit in int64
+        fits = below is None or int(below.max()) * (clock + 2) * self.rows < 1 << 62
+        # key (uses, last, row) / (last, row)
+        lfu = (clock + 1) * self.rows if below is not None else 0
         if fits:  # in C where it is built
-            fast = native_victims(self.s["last"], self.s["used"], self.s["uses"], tabs.contiguous(), n.contiguous(),
-                                  None if below is None else below.contiguous(), top, lfu)
+            fast = native_victims(
+                self.s["last"],
+                self.s["used"],
+                self.s["uses"],
+                tabs.contiguous(),
+                n.contiguous(),
+                None if below is None else below.contiguous(),
+                top,
+                lfu,
+            )
             if fast is not None:
                 return fast
         every = tabs.numel() == self.count  # tabs is 0..M-1: no copies
-        last, used, uses = ((self.s[n] if every else self.s[n].index_select(0, tabs))
-                            for n in ("last", "used", "uses"))  # [m, R]
+        last, used, uses = (
+            (self.s[n] if every else self.s[n].index_select(0, tabs))
+            for n in ("last", "used", "uses")
+        )  # [m, R]
         movable = (last <= top).logical_and_(used)  # lru: this and the previous lookup's rows stay
         if below is not None:
             movable.logical_and_(uses < below[:, None])
@@ -262,7 +313,8 @@ class MapGroup:
         return tabs[:, None].expand_as(rows)[keep], rows[keep], ranks[keep]
 
     def _victims_few(self, tabs, n, movable, last, uses, lfu: int):
-        """:meth:`_victims` where few rows are movable: their keys sorted, not a top-k of every row."""
+        """:meth:`_victims` where few rows are movable: their keys sorted, not a top-k of every
+        row."""
         at = where_true(movable.view(-1))  # [c] movable (table, row), by table
         i = torch.div(at, self.rows, rounding_mode="floor")  # [c] position in tabs
         row = at - i * self.rows
@@ -274,7 +326,11 @@ class MapGroup:
         i, row = i.index_select(0, order), row.index_select(0, order)
         rank, _ = ranks_within(i, tabs.numel())
         ok = where_true(rank < n.index_select(0, i))
-        return tabs.index_select(0, i.index_select(0, ok)), row.index_select(0, ok), rank.index_select(0, ok)
+        return (
+            tabs.index_select(0, i.index_select(0, ok)),
+            row.index_select(0, ok),
+            rank.index_select(0, ok),
+        )
 
     def _victims_sorted(self, tabs, n, movable, last, uses):
         """:meth:`_victims` for lfu by stable sorts, where the packed key would overflow."""
@@ -290,8 +346,16 @@ class MapGroup:
         back on the free stacks in this order."""
         if not rows.numel():
             return
-        if native_release(self.keys, self.slots, self.s, self.bucket_of, tables.contiguous(), rows.contiguous(),
-                          self.shared, (FREE, EVICTED)):
+        if native_release(
+            self.keys,
+            self.slots,
+            self.s,
+            self.bucket_of,
+            tables.contiguous(),
+            rows.contiguous(),
+            self.shared,
+            (FREE, EVICTED),
+        ):
             return
         pos = self._buckets_of(tables, rows)
         self.slots.index_fill_(0, pos, TOMBSTONE)
@@ -299,29 +363,44 @@ class MapGroup:
         self.s["table_counts"] += torch.stack([-r_t, r_t], 1)
         self.s["used"].view(-1).index_fill_(0, tables * self.rows + rows, False)
         counters = self.s["counters"]
-        free_flat = tables * (self.rows - self.shared) + counters[:, FREE].index_select(0, tables) + j
+        free_flat = (
+            tables * (self.rows - self.shared) + counters[:, FREE].index_select(0, tables) + j
+        )
         self.s["free"].view(-1).index_copy_(0, free_flat, rows)
         counters[:, FREE] += r_t
         counters[:, EVICTED] += r_t
 
     def _buckets_of(self, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Bucket (in ``keys``/``slots``) of the id each of ``rows`` [v] of ``tables`` [v] holds,
-        int64 [v]: from :attr:`bucket_of` where that bucket still holds the row's id, else probed."""
+        int64 [v]: from :attr:`bucket_of` where that bucket still holds the row's id, else
+        probed."""
         flat = tables * self.rows + rows  # [v]
         ids = self.s["row_id"].view(-1).index_select(0, flat)
         pos = self.bucket_of.index_select(0, flat).clamp(min=0)
-        ok = ((self.slots.index_select(0, pos) == rows) & (self.keys.index_select(0, pos) == ids)
-              & (torch.div(pos, self.buckets, rounding_mode="floor") == tables))  # a live bucket of the id, in its table
+        ok = (
+            (self.slots.index_select(0, pos) == rows)
+            & (self.keys.index_select(0, pos) == ids)
+            # a live bucket of the id, in its table
+            & (torch.div(pos, self.buckets, rounding_mode="floor") == tables)
+        )
         stale = where_true(~ok)
         if stale.numel():
             st = tables.index_select(0, stale)
-            found = probe(self.keys, self.slots, ids.index_select(0, stale), st * self.buckets, self.buckets - 1)
+            found = probe(
+                self.keys,
+                self.slots,
+                ids.index_select(0, stale),
+                st * self.buckets,
+                self.buckets - 1,
+            )
             if bool((found < 0).any()):
                 raise KeyError("MapGroup: a freed row's id is not in its map")
             pos = pos.index_copy(0, stale, found)
         return pos
 
-    def _insert(self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, n_t: torch.Tensor) -> None:
+    def _insert(
+        self, keys: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor, n_t: torch.Tensor
+    ) -> None:
         """Add ``keys`` [a] (distinct and absent, by table) with their ``slots`` to the maps'
         hash tables: IdHashTable.insert for every table at once."""
         counts = self.s["table_counts"]  # [M, 2] live, tombstones
@@ -334,7 +413,15 @@ class MapGroup:
     def _rebuild(self, tabs: torch.Tensor) -> None:
         """Rebuild the hash tables of ``tabs`` [m] from their live keys, re-placed in bucket order
         (as IdHashTable._rebuild does, every table at once; in C where it is built)."""
-        if native_rebuild(self.keys, self.slots, tabs, self.buckets, self.rows, self.bucket_of, self.s["table_counts"]):
+        if native_rebuild(
+            self.keys,
+            self.slots,
+            tabs,
+            self.buckets,
+            self.rows,
+            self.bucket_of,
+            self.s["table_counts"],
+        ):
             return
         h = self.buckets
         mine = torch.zeros(self.count, dtype=torch.bool).index_fill_(0, tabs, True)
@@ -354,13 +441,15 @@ class MapGroup:
         their tables (linear probing; keys aiming at one bucket: the first takes it); tombstones
         reused are counted off. Each round claims buckets in ``slots`` only; the keys, the row ->
         bucket cache and the counts are written once at the end."""
-        fast = native_place(self.keys, self.slots, keys, tables, slots, self.buckets)  # in order, in C
+        # in order, in C
+        fast = native_place(self.keys, self.slots, keys, tables, slots, self.buckets)
         if fast is not None:
             self._placed(tables, slots, *fast)
             return
         mask = self.buckets - 1
         active = torch.arange(keys.numel())  # [a] keys still looking for a bucket
-        p = (tables * self.buckets).add_(mix64(keys).bitwise_and_(mask))  # [a] the bucket each tries
+        # [a] the bucket each tries
+        p = (tables * self.buckets).add_(mix64(keys).bitwise_and_(mask))
         placed, at_key, reused = [], [], []
         while active.numel():
             s = self.slots.index_select(0, p)
@@ -387,10 +476,14 @@ class MapGroup:
         self.keys.index_copy_(0, wp, keys.index_select(0, wk))
         self._placed(tables.index_select(0, wk), slots.index_select(0, wk), wp, reused)
 
-    def _placed(self, tables: torch.Tensor, slots: torch.Tensor, buckets: torch.Tensor, reused: torch.Tensor) -> None:
+    def _placed(
+        self, tables: torch.Tensor, slots: torch.Tensor, buckets: torch.Tensor, reused: torch.Tensor
+    ) -> None:
         """Keys of ``tables`` [a] with ``slots`` [a] now in ``buckets`` [a] (``reused`` [a]: the
         bucket was a tombstone): tombstones counted off, the row -> bucket cache pointed at them."""
-        self.s["table_counts"][:, 1] -= torch.bincount(tables.masked_select(reused), minlength=self.count)
+        self.s["table_counts"][:, 1] -= torch.bincount(
+            tables.masked_select(reused), minlength=self.count
+        )
         self.bucket_of.index_copy_(0, (tables * self.rows).add_(slots), buckets)
 
     def expire(self) -> None:

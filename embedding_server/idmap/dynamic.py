@@ -2,7 +2,8 @@
 
 Rows 0..S-1 are the table's shared rows (S from ``shared_rows``): an id not (yet) admitted
 reads and trains shared row hash(id) % S (:func:`shared_rows_of`), so the tail scatters over S
-rows instead of piling on one. Rows S..R-1 each hold one admitted id while it keeps its row. A training lookup, on the batch's distinct
+rows instead of piling on one. Rows S..R-1 each hold one admitted id while it keeps its row. A
+training lookup, on the batch's distinct
 ids at once:
 
     known ids      -> their rows; last use and use count updated
@@ -45,16 +46,20 @@ def sketch_width(rows: int) -> int:
     counts of a table's candidates are not drowned in collisions; 16 MB at most)."""
     return min(max(2 * rows, 1 << 16), 1 << 20)
 
+
 def has_sketch(cfg: DynamicIds) -> bool:
     """Whether a map counts occurrences (admission after more than one, or lfu's comparisons)."""
     return cfg.admit_after > 1 or cfg.evict == "lfu"
 
 
 SHARED_SALT = 2
-"""Salt of the hash that picks an id's shared row (independent of the hash table's and the sketch's)."""
+"""Salt of the hash that picks an id's shared row (independent of the hash table's and the
+sketch's)."""
 
 
-def shared_rows_of(ids: torch.Tensor, shared: torch.Tensor | int, offset: torch.Tensor | int = 0) -> torch.Tensor:
+def shared_rows_of(
+    ids: torch.Tensor, shared: torch.Tensor | int, offset: torch.Tensor | int = 0
+) -> torch.Tensor:
     """Shared row of each raw id, int64 [n]: hash(id) % S - ``offset`` (``shared``: S, and
     ``offset``: the first shared index of the piece the ids are routed to, ``pieces.py``; one
     int or one per id). Training, evaluation and serving all map ids without a row through this."""
@@ -83,21 +88,44 @@ class DynamicIdMap:
         tensor([1, 0, 1])
     """
 
-    def __init__(self, rows: int, cfg: DynamicIds, reset: Reset | None = None,
-                 storage: dict[str, torch.Tensor] | None = None, span: tuple[int, int, int] | None = None) -> None:
+    def __init__(
+        self,
+        rows: int,
+        cfg: DynamicIds,
+        reset: Reset | None = None,
+        storage: dict[str, torch.Tensor] | None = None,
+        span: tuple[int, int, int] | None = None,
+    ) -> None:
         self.rows, self.cfg, self.reset = rows, cfg, reset
         whole = shared_row_count(rows, cfg)
-        self.shared, self.shared_total, self.shared_offset = span if span is not None else (whole, whole, 0)  # S_p, S, o
+        # S_p, S, o
+        self.shared, self.shared_total, self.shared_offset = (
+            span if span is not None else (whole, whole, 0)
+        )
         # storage: views to use (of a shard's maps laid side by side, ``remap.py``), fresh and zero.
         views = storage or {}
-        self.table = IdHashTable(rows - self.shared, views.get("keys"), views.get("slots"), views.get("table_counts"))
-        self.sketch = (CountMinSketch(sketch_width(rows), counts=views.get("sketch_counts"), added=views.get("sketch_added"))
-                       if has_sketch(cfg) else None)
-        self.row_id = views.get("row_id", torch.zeros(rows, dtype=torch.int64))  # [R] the id each row holds
-        self.used = views.get("used", torch.zeros(rows, dtype=torch.bool))  # [R] shared rows are never "used" by an id
-        self.last = views.get("last", torch.zeros(rows, dtype=torch.int64))  # [R] clock of the last training use
-        self.uses = views.get("uses", torch.zeros(rows, dtype=torch.int64))  # [R] training lookups since admission
-        self.free = views.get("free", torch.empty(rows - self.shared, dtype=torch.int64))  # [R - S] stack, top last
+        self.table = IdHashTable(
+            rows - self.shared, views.get("keys"), views.get("slots"), views.get("table_counts")
+        )
+        self.sketch = (
+            CountMinSketch(
+                sketch_width(rows),
+                counts=views.get("sketch_counts"),
+                added=views.get("sketch_added"),
+            )
+            if has_sketch(cfg)
+            else None
+        )
+        # [R] the id each row holds
+        self.row_id = views.get("row_id", torch.zeros(rows, dtype=torch.int64))
+        # [R] shared rows are never "used" by an id
+        self.used = views.get("used", torch.zeros(rows, dtype=torch.bool))
+        # [R] clock of the last training use
+        self.last = views.get("last", torch.zeros(rows, dtype=torch.int64))
+        # [R] training lookups since admission
+        self.uses = views.get("uses", torch.zeros(rows, dtype=torch.int64))
+        # [R - S] stack, top last
+        self.free = views.get("free", torch.empty(rows - self.shared, dtype=torch.int64))
         self.free.copy_(torch.arange(rows - 1, self.shared - 1, -1, dtype=torch.int64))
         self.counters = views.get("counters", torch.zeros(len(COUNTERS), dtype=torch.int64))
         self.counters[COUNTERS.index("free")] = rows - self.shared
@@ -136,7 +164,8 @@ class DynamicIdMap:
         self.uses.index_add_(0, rows, torch.ones_like(rows))
 
     def admit(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of ids [n] not in the map: those admitted now get one, the rest their shared row -> int64 [n]."""
+        """Rows of ids [n] not in the map: those admitted now get one, the rest their shared row ->
+        int64 [n]."""
         uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)  # [u]
         rows = self.local_shared(uniq)  # [u]
         new, priority = torch.arange(uniq.numel()), counts
@@ -160,7 +189,9 @@ class DynamicIdMap:
         if self.cfg.evict == "ttl" and clock % self.cfg.ttl_steps == 0:
             self._release(self._victims(self.rows, clock))
 
-    def _admit(self, ids: torch.Tensor, priority: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _admit(
+        self, ids: torch.Tensor, priority: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows for candidates ``ids`` [k], most frequent first (``priority`` [k]: their counts);
         -> (positions of those admitted, their rows)."""
         k, free, clock = ids.numel(), self._get("free"), self._get("clock")
@@ -174,7 +205,9 @@ class DynamicIdMap:
             self._release(victims[wins])
             take = torch.cat([take, rest[wins]])
         elif k > free:
-            self._release(self._victims(max(k - free, (self.rows - self.shared) // EVICT_CHUNK), clock))
+            self._release(
+                self._victims(max(k - free, (self.rows - self.shared) // EVICT_CHUNK), clock)
+            )
             take = torch.arange(min(k, self._get("free")))
         n, top = take.numel(), self._get("free")
         if n == 0:
@@ -196,7 +229,8 @@ class DynamicIdMap:
         if self.cfg.evict == "ttl":
             movable = self.used & (self.last <= clock - self.cfg.ttl_steps)
         else:
-            movable = self.used & (self.last < clock - 1)  # this and the previous lookup's rows stay
+            # this and the previous lookup's rows stay
+            movable = self.used & (self.last < clock - 1)
         if below is not None:
             movable &= self.uses < below
         score = self.uses if self.cfg.evict == "lfu" else self.last
@@ -218,13 +252,18 @@ class DynamicIdMap:
         self._add("free", rows.numel())
         self._add("evicted", rows.numel())
 
-    # -- inspection and state -------------------------------------------------------------------------
+    # -- inspection and state
+    # -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
         """rows_used (admitted ids plus the shared rows), admitted, evicted, default_lookups
         (lookups that read a shared row)."""
-        return {"rows_used": self.ids_held + self.shared, "admitted": self._get("admitted"),
-                "evicted": self._get("evicted"), "default_lookups": self._get("default_lookups")}
+        return {
+            "rows_used": self.ids_held + self.shared,
+            "admitted": self._get("admitted"),
+            "evicted": self._get("evicted"),
+            "default_lookups": self._get("default_lookups"),
+        }
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, rows) of every admitted id, sorted by id: what serving searches."""
@@ -237,8 +276,14 @@ class DynamicIdMap:
         out = {f"table.{k}": v for k, v in self.table.state().items()}
         if self.sketch is not None:
             out.update({f"sketch.{k}": v for k, v in self.sketch.state().items()})
-        out.update(row_id=self.row_id, used=self.used, last=self.last, uses=self.uses, free=self.free,
-                   counters=self.counters)
+        out.update(
+            row_id=self.row_id,
+            used=self.used,
+            last=self.last,
+            uses=self.uses,
+            free=self.free,
+            counters=self.counters,
+        )
         return out
 
     def load(self, state: dict[str, torch.Tensor]) -> None:

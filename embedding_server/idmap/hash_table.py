@@ -1,7 +1,8 @@
 """A vectorised open-addressing hash table in torch tensors: raw 64-bit ids -> slots.
 
 Linear probing over ``H`` buckets (a power of two, at least three times the slots, so the live
-load stays at or below one third and probe chains stay short). Every operation works on a whole batch of keys at once: each probe
+load stays at or below one third and probe chains stay short). Every operation works on a whole
+batch of keys at once: each probe
 round gathers the bucket of every key still unresolved and moves the unresolved ones one bucket
 on, so a batch costs (longest probe) rounds of tensor ops, never a Python loop per id.
 
@@ -45,18 +46,26 @@ def buckets_for(capacity: int) -> int:
     return 1 << max(4, (3 * max(1, capacity) - 1).bit_length())
 
 
-def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torch.Tensor | int,
-          mask: torch.Tensor | int, with_slots: bool = False):
+def probe(
+    keys: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    base: torch.Tensor | int,
+    mask: torch.Tensor | int,
+    with_slots: bool = False,
+):
     """Bucket of each id in ``keys``/``slots`` [H], int64 [n] (-1: absent). Id i probes buckets
     base_i + ((home + k) & mask_i): several tables laid side by side in one buffer are searched
     in one call (``base``, ``mask``: per id, or one int for a single table). ``with_slots``:
-    -> (buckets [n], the slot of each id [n], -1: absent). In C where it is built (``native.py``)."""
+    -> (buckets [n], the slot of each id [n], -1: absent). In C where it is built
+    (``native.py``)."""
     fast = native_probe(keys, slots, ids, base, mask, with_slots)
     if fast is not None:
         return fast
     pos = (mix64(ids) & mask) + base  # [n] home buckets
     s = slots.index_select(0, pos)  # index_select: far cheaper than x[index] on CPU
-    hit = (s >= 0).logical_and_(keys.index_select(0, pos) == ids)  # the first round over every id, most end here
+    # the first round over every id, most end here
+    hit = (s >= 0).logical_and_(keys.index_select(0, pos) == ids)
     out = torch.where(hit, pos, -1)
     found = torch.where(hit, s, -1) if with_slots else None
     active = where_true(hit.logical_not_().logical_and_(s != EMPTY))  # [a] ids still probing
@@ -73,7 +82,11 @@ def probe(keys: torch.Tensor, slots: torch.Tensor, ids: torch.Tensor, base: torc
             if found is not None:
                 found.index_copy_(0, active.index_select(0, at), s.index_select(0, at))
         go = where_true(~hit & (s != EMPTY))  # past a tombstone or another key: probe on
-        active, p, a_ids = active.index_select(0, go), p.index_select(0, go), a_ids.index_select(0, go)
+        active, p, a_ids = (
+            active.index_select(0, go),
+            p.index_select(0, go),
+            a_ids.index_select(0, go),
+        )
         if isinstance(a_base, torch.Tensor):
             a_base = a_base.index_select(0, go)
         if isinstance(a_mask, torch.Tensor):
@@ -96,13 +109,20 @@ class IdHashTable:
         tensor([ 2, -1,  1])
     """
 
-    def __init__(self, capacity: int, keys: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                 counts: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        keys: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> None:
         size = buckets_for(capacity)
         self.mask = size - 1
         self.keys = torch.zeros(size, dtype=torch.int64) if keys is None else keys  # [H]
-        self.slots = torch.full((size,), EMPTY, dtype=torch.int64) if slots is None else slots  # [H]
-        self.counts = torch.zeros(2, dtype=torch.int64) if counts is None else counts  # [2] live, tombstones
+        # [H]
+        self.slots = torch.full((size,), EMPTY, dtype=torch.int64) if slots is None else slots
+        # [2] live, tombstones
+        self.counts = torch.zeros(2, dtype=torch.int64) if counts is None else counts
 
     @property
     def live(self) -> int:
@@ -139,7 +159,8 @@ class IdHashTable:
         """Add ``keys`` (distinct, all absent) with their ``slots``."""
         if self.live + self.tombstones + keys.numel() > (self.mask + 1) // 2:
             self._rebuild()
-        fast = native_place(self.keys, self.slots, keys, None, slots, self.mask + 1)  # in order, in C
+        # in order, in C
+        fast = native_place(self.keys, self.slots, keys, None, slots, self.mask + 1)
         if fast is not None:
             self.tombstones -= int(fast[1].sum())
             self.live += keys.numel()

@@ -47,8 +47,12 @@ def _compile(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, "-O3", "-std=c99", "-shared", "-fPIC", "-o", tmp, str(SOURCE)], check=True,
-                       capture_output=True, timeout=BUILD_TIMEOUT_S)
+        subprocess.run(
+            [cc, "-O3", "-std=c99", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
+            check=True,
+            capture_output=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
         raise OSError(f"{cc} failed: {e.stderr.decode(errors='replace')[-500:]}") from None
@@ -99,8 +103,12 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(build()))
     except OSError as e:
         if mode == "native":
-            raise ConfigError(f"{ENV}=native but the id maps' C kernel cannot be built: {e}") from None
-        log.warning("id maps: the C kernel cannot be built (%s); using the torch version (slower)", e)
+            raise ConfigError(
+                f"{ENV}=native but the id maps' C kernel cannot be built: {e}"
+            ) from None
+        log.warning(
+            "id maps: the C kernel cannot be built (%s); using the torch version (slower)", e
+        )
         return None
     lib.idhash_probe.argtypes = [_P, _P, _P, _I, _P, _I, _P, _I, _P, _P]
     lib.idhash_probe.restype = None
@@ -112,7 +120,25 @@ def library() -> ctypes.CDLL | None:
     lib.idhash_sketch_add.restype = None
     lib.idhash_find_touch.argtypes = [_P, _P, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _P]
     lib.idhash_find_touch.restype = _I
-    lib.idhash_release.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _I, _I]
+    lib.idhash_release.argtypes = [
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I,
+        _I,
+        _I,
+        _P,
+        _P,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+    ]
     lib.idhash_release.restype = _I
     lib.idhash_take.argtypes = [_P, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P]
     lib.idhash_take.restype = _I

@@ -74,8 +74,10 @@ class PieceLayout:
     def _bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(first shared index of pieces 1..P-1 [P - 1], global row of each piece's first shared
         index minus that index [P]), as tensors (made once: the trainer routes every step)."""
-        return (torch.tensor(self.shared_starts[1:-1]),
-                torch.tensor(self.row_starts[:-1]) - torch.tensor(self.shared_starts[:-1]))
+        return (
+            torch.tensor(self.shared_starts[1:-1]),
+            torch.tensor(self.row_starts[:-1]) - torch.tensor(self.shared_starts[:-1]),
+        )
 
     def piece_of_index(self, j: torch.Tensor) -> torch.Tensor:
         """The piece holding each shared index j [n] (in [0, S)), int64 [n]."""
@@ -104,7 +106,10 @@ class PieceLayout:
             ConfigError: no piece of this layout starts there.
         """
         if row_start not in self.row_starts[:-1]:
-            raise ConfigError(f"table {table}: no piece of its {self.pieces}-way split by rows starts at row {row_start}")
+            raise ConfigError(
+                f"table {table}: no piece of its {self.pieces}-way split by rows starts at row "
+                f"{row_start}"
+            )
         p = self.row_starts.index(row_start)
         return self.shared_starts[p + 1] - self.shared_starts[p], self.shared, self.shared_starts[p]
 
@@ -118,10 +123,14 @@ def _layout(rows: int, cfg: DynamicIds, pieces: int, table: str) -> PieceLayout:
     for (_, n), k in zip(blocks, shared, strict=True):
         if p > 1 and (k < 1 or k >= n):
             raise ConfigError(
-                f"table {table}: {rows:,} rows with {s:,} shared row(s) cannot be split by rows in {p} blocks "
-                f"(for {pieces} servers; each block needs a shared row and a row for an admitted id): raise its "
-                f"rows or embedding.shared_rows, or place it whole (--sharding table_wise or column_wise; "
-                f"raise --server-memory if it was split because it did not fit)")
+                f"table {table}: {rows:,} rows with {s:,} shared row(s) cannot be split by rows in "
+                f"{p} blocks "
+                f"(for {pieces} servers; each block needs a shared row and a row for an admitted "
+                "id): raise its "
+                "rows or embedding.shared_rows, or place it whole (--sharding table_wise or "
+                "column_wise; "
+                f"raise --server-memory if it was split because it did not fit)"
+            )
     starts = [0]
     for k in shared:
         starts.append(starts[-1] + k)

@@ -48,14 +48,23 @@ RowCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 src[i] (weights; optimizer state as new): ``reset`` of ``read`` in one pass."""
 
 
-def init_for_ids(ids: torch.Tensor, local: LocalTable, seed: int, init_scale: float | None) -> torch.Tensor:
+def init_for_ids(
+    ids: torch.Tensor, local: LocalTable, seed: int, init_scale: float | None
+) -> torch.Tensor:
     """Fresh weights of the piece's columns for ``ids`` [k] -> float [k, D_piece]."""
     where = torch.full_like(ids, local.index), torch.full_like(ids, local.col_start)
     return init_for_pieces(ids, *where, local.spec.dim, local.table.rows, seed, init_scale)
 
 
-def init_for_pieces(ids: torch.Tensor, index: torch.Tensor, col_start: torch.Tensor, dim: int, rows: int, seed: int,
-                    init_scale: float | None) -> torch.Tensor:
+def init_for_pieces(
+    ids: torch.Tensor,
+    index: torch.Tensor,
+    col_start: torch.Tensor,
+    dim: int,
+    rows: int,
+    seed: int,
+    init_scale: float | None,
+) -> torch.Tensor:
     """:func:`init_for_ids` of ids [k] of several pieces (of tables of equal rows, pieces of
     equal dim): ``index`` [k] the table of each, ``col_start`` [k] its piece's first column."""
     bound = init_scale if init_scale else math.sqrt(1.0 / rows)
@@ -92,8 +101,10 @@ def piece_span(local: LocalTable) -> tuple[int, int, int]:
     cfg = local.table.dynamic
     if local.row_pieces == 1:
         if local.row_start != 0 or local.spec.rows != local.table.rows:
-            raise ValueError(f"table {local.table.name}: a piece of rows {local.row_start}..+{local.spec.rows} "
-                             "of a dynamic table needs its split (LocalTable.row_pieces)")
+            raise ValueError(
+                f"table {local.table.name}: a piece of rows {local.row_start}..+{local.spec.rows} "
+                "of a dynamic table needs its split (LocalTable.row_pieces)"
+            )
         s = shared_row_count(local.table.rows, cfg)
         return s, s, 0
     layout = PieceLayout.of(local.table.rows, cfg, local.row_pieces, local.table.name)
@@ -114,14 +125,27 @@ class ShardIdMaps:
             (``start_from_shared``); None: ``reset`` of ``read``.
     """
 
-    def __init__(self, tables: list[LocalTable], feature_map: list[int], reset: RowReset, read: RowRead,
-                 seed: int = 0, init_scale: float | None = None, copy: RowCopy | None = None) -> None:
+    def __init__(
+        self,
+        tables: list[LocalTable],
+        feature_map: list[int],
+        reset: RowReset,
+        read: RowRead,
+        seed: int = 0,
+        init_scale: float | None = None,
+        copy: RowCopy | None = None,
+    ) -> None:
         self.copy = copy
         self.tables = tables
         mine = [t for t, local in enumerate(tables) if local.table.dynamic is not None]
-        self.spans = {t: piece_span(tables[t]) for t in mine}  # (S_p, S, first shared index) of each
-        # Maps of equal rows and settings are admitted together (``batched.py``): order them by group.
-        key_of = {t: (tables[t].spec.rows, tables[t].spec.dim, tables[t].table.dynamic, self.spans[t][0]) for t in mine}
+        # (S_p, S, first shared index) of each
+        self.spans = {t: piece_span(tables[t]) for t in mine}
+        # Maps of equal rows and settings are admitted together (``batched.py``): order them by
+        # group.
+        key_of = {
+            t: (tables[t].spec.rows, tables[t].spec.dim, tables[t].table.dynamic, self.spans[t][0])
+            for t in mine
+        }
         kinds = list(dict.fromkeys(key_of.values()))
         mine = sorted(mine, key=lambda t: kinds.index(key_of[t]))
         rows = [tables[t].spec.rows for t in mine]
@@ -133,13 +157,20 @@ class ShardIdMaps:
         self.last = torch.zeros(sum(rows), dtype=torch.int64)
         self.uses = torch.zeros(sum(rows), dtype=torch.int64)
         self.counters = torch.zeros(len(mine), len(COUNTERS), dtype=torch.int64)
-        self.bucket_base = torch.tensor([sum(buckets[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
+        # [M]
+        self.bucket_base = torch.tensor(
+            [sum(buckets[:i]) for i in range(len(mine))], dtype=torch.int64
+        )
         self.bucket_mask = torch.tensor([h - 1 for h in buckets], dtype=torch.int64)  # [M]
-        self.one_mask = buckets[0] - 1 if len(set(buckets)) == 1 else None  # every map's, where all are equal
-        self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)  # [M]
+        # every map's, where all are equal
+        self.one_mask = buckets[0] - 1 if len(set(buckets)) == 1 else None
+        # [M]
+        self.row_base = torch.tensor([sum(rows[:i]) for i in range(len(mine))], dtype=torch.int64)
         self.shared = torch.tensor(shared, dtype=torch.int64)  # [M] S_p of each map
-        self.shared_total = torch.tensor([self.spans[t][1] for t in mine], dtype=torch.int64)  # [M] S of its table
-        self.shared_offset = torch.tensor([self.spans[t][2] for t in mine], dtype=torch.int64)  # [M]
+        # [M] S of its table
+        self.shared_total = torch.tensor([self.spans[t][1] for t in mine], dtype=torch.int64)
+        # [M]
+        self.shared_offset = torch.tensor([self.spans[t][2] for t in mine], dtype=torch.int64)
         self.maps: dict[int, DynamicIdMap] = {}
         self.groups: list[tuple[int, int, MapGroup]] = []  # (first map, last map + 1, group)
         first = 0
@@ -152,28 +183,47 @@ class ShardIdMaps:
         self.maps = {t: self.maps[t] for t in sorted(self.maps)}
         self.map_list = [self.maps[t] for t in mine]
         number = {t: i for i, t in enumerate(mine)}
-        self.map_of_feature = torch.tensor([number.get(t, -1) for t in feature_map], dtype=torch.int64)  # [F]
+        # [F]
+        self.map_of_feature = torch.tensor(
+            [number.get(t, -1) for t in feature_map], dtype=torch.int64
+        )
         self.deferred: list[tuple[Callable, tuple]] | None = None
         """While a remap runs ahead (``ahead.py``): the resets of its fresh rows, in order, applied
         when its lookup comes; None: resets run as the remap makes them."""
 
-    def _group(self, members: list[int], first: int, h: int, reset: RowReset, read: RowRead, seed: int,
-               init_scale: float | None) -> MapGroup:
-        """The maps of tables ``members`` (equal rows R, dim and settings; maps first.. of the shard),
+    def _group(
+        self,
+        members: list[int],
+        first: int,
+        h: int,
+        reset: RowReset,
+        read: RowRead,
+        seed: int,
+        init_scale: float | None,
+    ) -> MapGroup:
+        """The maps of tables ``members`` (equal rows R, dim and settings; maps first.. of the
+        shard),
         their state stacked [M, ...] in views of the side-by-side buffers (``h``: H of each)."""
         m, last = len(members), first + len(members)
         local = self.tables[members[0]]
         r, cfg = local.spec.rows, local.table.dynamic
         s = self.spans[members[0]][0]
         h0, r0 = int(self.bucket_base[first]), int(self.row_base[first])
-        stacked = {"row_id": torch.zeros(m, r, dtype=torch.int64), "used": torch.zeros(m, r, dtype=torch.bool),
-                   "last": self.last[r0 : r0 + m * r].view(m, r), "uses": self.uses[r0 : r0 + m * r].view(m, r),
-                   "free": torch.zeros(m, r - s, dtype=torch.int64), "counters": self.counters[first:last],
-                   "table_counts": torch.zeros(m, 2, dtype=torch.int64)}
+        stacked = {
+            "row_id": torch.zeros(m, r, dtype=torch.int64),
+            "used": torch.zeros(m, r, dtype=torch.bool),
+            "last": self.last[r0 : r0 + m * r].view(m, r),
+            "uses": self.uses[r0 : r0 + m * r].view(m, r),
+            "free": torch.zeros(m, r - s, dtype=torch.int64),
+            "counters": self.counters[first:last],
+            "table_counts": torch.zeros(m, 2, dtype=torch.int64),
+        }
         width = sketch_cells(sketch_width(r))
         if has_sketch(cfg):
-            stacked.update(sketch_counts=torch.zeros(m, DEPTH * width, dtype=torch.int32),
-                           sketch_added=torch.zeros(m, dtype=torch.int64))
+            stacked.update(
+                sketch_counts=torch.zeros(m, DEPTH * width, dtype=torch.int32),
+                sketch_added=torch.zeros(m, dtype=torch.int64),
+            )
         keys, slots = self.keys[h0 : h0 + m * h], self.slots[h0 : h0 + m * h]
         maps = []
         for i, t in enumerate(members):
@@ -181,17 +231,29 @@ class ShardIdMaps:
             views.update(keys=keys[i * h : (i + 1) * h], slots=slots[i * h : (i + 1) * h])
             if has_sketch(cfg):
                 views["sketch_counts"] = views["sketch_counts"].view(DEPTH, width)
-            self.maps[t] = DynamicIdMap(r, cfg, self._resetter(t, reset, read, seed, init_scale), views, self.spans[t])
+            self.maps[t] = DynamicIdMap(
+                r, cfg, self._resetter(t, reset, read, seed, init_scale), views, self.spans[t]
+            )
             maps.append(self.maps[t])
-        return MapGroup(maps, keys, slots, stacked, self._group_resetter(members, reset, read, seed, init_scale))
+        return MapGroup(
+            maps, keys, slots, stacked, self._group_resetter(members, reset, read, seed, init_scale)
+        )
 
-    def _resetter(self, t: int, reset: RowReset, read: RowRead, seed: int, init_scale: float | None):
+    def _resetter(
+        self, t: int, reset: RowReset, read: RowRead, seed: int, init_scale: float | None
+    ):
         """reset(rows [k], ids [k]) of the map of piece t."""
         group = self._group_resetter([t], reset, read, seed, init_scale)
         return lambda rows, ids: group(torch.zeros_like(rows), rows, ids)
 
-    def _group_resetter(self, members: list[int], reset: RowReset, read: RowRead, seed: int,
-                        init_scale: float | None):
+    def _group_resetter(
+        self,
+        members: list[int],
+        reset: RowReset,
+        read: RowRead,
+        seed: int,
+        init_scale: float | None,
+    ):
         """reset(tables [k], rows [k], ids [k]) of a group of maps (pieces ``members``, of equal
         rows, dim and settings): every fresh row of a step in one read and one write."""
         pieces = torch.tensor(members, dtype=torch.int64)  # [M]
@@ -208,17 +270,23 @@ class ShardIdMaps:
                     reset(pieces[g], rows, read(pieces[g], src))
         else:
             index = torch.tensor([self.tables[t].index for t in members], dtype=torch.int64)  # [M]
-            col_start = torch.tensor([self.tables[t].col_start for t in members], dtype=torch.int64)  # [M]
+            # [M]
+            col_start = torch.tensor([self.tables[t].col_start for t in members], dtype=torch.int64)
             dim, rows = local.spec.dim, local.table.rows
 
             def fresh(g, r, ids):
-                reset(pieces[g], r, init_for_pieces(ids, index[g], col_start[g], dim, rows, seed, init_scale))
+                reset(
+                    pieces[g],
+                    r,
+                    init_for_pieces(ids, index[g], col_start[g], dim, rows, seed, init_scale),
+                )
 
         def now_or_deferred(g, rows, ids):
             if self.deferred is None:
                 fresh(g, rows, ids)
             else:
                 self.deferred.append((fresh, (g, rows, ids)))
+
         return now_or_deferred
 
     def __bool__(self) -> bool:
@@ -228,20 +296,25 @@ class ShardIdMaps:
         """Raw ids of dynamic tables' features -> rows; everything else as it was."""
         f_count, b = self.map_of_feature.numel(), max(sparse.batch_size, 1)
         bounds = sparse.offsets[::b][: f_count + 1]  # [F + 1] each feature's span of values
-        map_of_value = torch.repeat_interleave(self.map_of_feature, bounds.diff())  # [N], -1: hashed
+        # [N], -1: hashed
+        map_of_value = torch.repeat_interleave(self.map_of_feature, bounds.diff())
         where = where_true(map_of_value >= 0)  # [M_n] the dynamic tables' values
         ids, k = sparse.values.index_select(0, where), map_of_value.index_select(0, where)  # [M_n]
         if train:
             rows = self._train(ids, k)
         else:  # ids without a row read their shared row
             rows = self._find(ids, k)
-            shared = shared_rows_of(ids, self.shared_total.index_select(0, k), self.shared_offset.index_select(0, k))
+            shared = shared_rows_of(
+                ids, self.shared_total.index_select(0, k), self.shared_offset.index_select(0, k)
+            )
             rows = torch.where(rows >= 0, rows, shared)
         values = sparse.values.clone()
         values.index_copy_(0, where, rows)
         return SparseFeatures(values, sparse.offsets, sparse.batch_size)
 
-    def remap_deferring_resets(self, sparse: SparseFeatures) -> tuple[SparseFeatures, list[tuple[Callable, tuple]]]:
+    def remap_deferring_resets(
+        self, sparse: SparseFeatures
+    ) -> tuple[SparseFeatures, list[tuple[Callable, tuple]]]:
         """A training :meth:`remap` whose fresh rows are not reset yet -> (rows, the resets to
         call, in order, once the tables may be written: ``ahead.py``)."""
         self.deferred = []
@@ -251,9 +324,12 @@ class ShardIdMaps:
             self.deferred = None
 
     def _find(self, ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Row of each id [n] in map k [n] of it, int64 [n] (-1: not admitted): one probe of every map."""
+        """Row of each id [n] in map k [n] of it, int64 [n] (-1: not admitted): one probe of every
+        map."""
         mask = self.one_mask if self.one_mask is not None else self.bucket_mask.index_select(0, k)
-        return probe(self.keys, self.slots, ids, self.bucket_base.index_select(0, k), mask, with_slots=True)[1]
+        return probe(
+            self.keys, self.slots, ids, self.bucket_base.index_select(0, k), mask, with_slots=True
+        )[1]
 
     def _train(self, ids: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """One training step of every map on ids [n] (of maps k [n]): touch known rows, admit new
@@ -262,30 +338,48 @@ class ShardIdMaps:
         clock, default = COUNTERS.index("clock"), COUNTERS.index("default_lookups")
         self.counters[:, clock] += 1
         now = int(self.counters[0, clock])  # every map ticks together
-        fast = native_find_touch(self.keys, self.slots, ids, k, self.bucket_base, self.bucket_mask, self.row_base,
-                                 self.last, self.uses, now)
+        fast = native_find_touch(
+            self.keys,
+            self.slots,
+            ids,
+            k,
+            self.bucket_base,
+            self.bucket_mask,
+            self.row_base,
+            self.last,
+            self.uses,
+            now,
+        )
         if fast is not None:  # in C: the probe and the found rows' touch in one pass
             rows, absent = fast
         else:
             rows = self._find(ids, k)  # [n]
             known = where_true(rows >= 0)
-            flat = self.row_base.index_select(0, k.index_select(0, known)).add_(rows.index_select(0, known))
+            flat = self.row_base.index_select(0, k.index_select(0, known)).add_(
+                rows.index_select(0, known)
+            )
             self.last.index_fill_(0, flat, now)
             self.uses.index_add_(0, flat, torch.ones_like(flat))
             absent = where_true(rows < 0)
         if absent.numel():
-            uid, uk, inverse, counts = table_pairs(ids.index_select(0, absent), k.index_select(0, absent),
-                                                   len(self.map_list))  # [u] by map, then id
+            uid, uk, inverse, counts = table_pairs(
+                ids.index_select(0, absent), k.index_select(0, absent), len(self.map_list)
+            )  # [u] by map, then id
             got = torch.empty_like(uid)
             ends = torch.searchsorted(uk, torch.tensor([b for _, b, _ in self.groups])).tolist()
             start = 0
-            for (first, _, group), end in zip(self.groups, ends, strict=True):  # every table of a group at once
+            # every table of a group at once
+            for (first, _, group), end in zip(self.groups, ends, strict=True):
                 if end > start:
-                    got[start:end] = group.admit_distinct(uid[start:end], uk[start:end] - first, counts[start:end])
+                    got[start:end] = group.admit_distinct(
+                        uid[start:end], uk[start:end] - first, counts[start:end]
+                    )
                 start = end
             rows.index_copy_(0, absent, got.index_select(0, inverse))
         shared = rows < self.shared.index_select(0, k)
-        self.counters[:, default] += torch.bincount(k.masked_select(shared), minlength=len(self.map_list))
+        self.counters[:, default] += torch.bincount(
+            k.masked_select(shared), minlength=len(self.map_list)
+        )
         for _, _, group in self.groups:
             group.expire()
         return rows
@@ -293,7 +387,10 @@ class ShardIdMaps:
     def stats(self) -> dict[str, dict[str, int]]:
         """Per dynamic table: rows_used, admitted, evicted, default_lookups; a piece of a table
         split by rows also its first row, ``row_start`` (``merge_piece_stats`` adds pieces up)."""
-        return {self.tables[t].table.name: {**m.stats(), **_piece_of(self.tables[t])} for t, m in self.maps.items()}
+        return {
+            self.tables[t].table.name: {**m.stats(), **_piece_of(self.tables[t])}
+            for t, m in self.maps.items()
+        }
 
     def id_rows(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per dynamic table: (admitted ids sorted, their rows)."""
@@ -306,11 +403,15 @@ class ShardIdMaps:
 
     def state(self) -> dict[str, torch.Tensor]:
         """``<table>.idmap.<name>`` -> tensor (views), for the shard's export_state."""
-        return {f"{self.tables[t].table.name}.idmap.{k}": v for t, m in self.maps.items() for k, v in m.state().items()}
+        return {
+            f"{self.tables[t].table.name}.idmap.{k}": v
+            for t, m in self.maps.items()
+            for k, v in m.state().items()
+        }
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         for t, m in self.maps.items():
             prefix = f"{self.tables[t].table.name}.idmap."
-            m.load({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+            m.load({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
         for _, _, group in self.groups:  # the rows' last uses changed under the victim lists
             group.recent.forget()

@@ -91,10 +91,16 @@ def move_piece(ckpt, local: LocalTable) -> MovedPiece:
     for c in (ADMITTED, EVICTED, DEFAULTS):
         fresh.counters[c] = int(counts[c] * share)
     fresh.counters[EVICTED] += dropped
-    return MovedPiece(torch.cat(sources), torch.cat(targets), {f"{name}.idmap.{k}": v for k, v in fresh.state().items()})
+    return MovedPiece(
+        torch.cat(sources),
+        torch.cat(targets),
+        {f"{name}.idmap.{k}": v for k, v in fresh.state().items()},
+    )
 
 
-def _keep(ids: torch.Tensor, last: torch.Tensor, uses: torch.Tensor, evict: str, capacity: int) -> torch.Tensor:
+def _keep(
+    ids: torch.Tensor, last: torch.Tensor, uses: torch.Tensor, evict: str, capacity: int
+) -> torch.Tensor:
     """Positions of the ids that stay (at most ``capacity``; the first in the eviction order go),
     in id order."""
     if ids.numel() <= capacity:

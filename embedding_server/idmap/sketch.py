@@ -2,7 +2,8 @@
 
 ``depth`` rows of ``width`` int32 counters; an id adds to one counter per row (each row its own
 hash) and its estimate is the smallest of them, never below its true count. Counters halve once
-the increments since the last halving reach ``RESET_FACTOR * width`` (TinyLFU's reset), so the counts
+the increments since the last halving reach ``RESET_FACTOR * width`` (TinyLFU's reset), so the
+counts
 follow the recent stream and the sketch never saturates, whatever the number of distinct ids.
 
 Shape letters: d rows (depth), W counters per row (width), n ids in a call.
@@ -44,20 +45,30 @@ class CountMinSketch:
         (tensor([3, 1], dtype=torch.int32), False)
     """
 
-    def __init__(self, width: int, depth: int = DEPTH, counts: torch.Tensor | None = None,
-                 added: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        width: int,
+        depth: int = DEPTH,
+        counts: torch.Tensor | None = None,
+        added: torch.Tensor | None = None,
+    ) -> None:
         self.width = sketch_cells(width)  # W, a power of two
         self.depth = depth
         # counts, added: storage to use (views, so that a shard's sketches are updated together).
-        self.counts = torch.zeros(depth, self.width, dtype=torch.int32) if counts is None else counts  # [d, W]
-        self.added = torch.zeros((), dtype=torch.int64) if added is None else added  # increments since the last halving
+        # [d, W]
+        self.counts = (
+            torch.zeros(depth, self.width, dtype=torch.int32) if counts is None else counts
+        )
+        # increments since the last halving
+        self.added = torch.zeros((), dtype=torch.int64) if added is None else added
 
     def _cells(self, ids: torch.Tensor) -> torch.Tensor:
         """Flat counter index of each id in each row, int64 [d, n]."""
         return sketch_cells_of(ids, self.width, self.depth)
 
     def estimate(self, ids: torch.Tensor) -> torch.Tensor:
-        """Estimated count of each id, int32 [n] (never below the true count since the last halving)."""
+        """Estimated count of each id, int32 [n] (never below the true count since the last
+        halving)."""
         return self.counts.view(-1)[self._cells(ids)].amin(dim=0)
 
     def add(self, ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, bool]:

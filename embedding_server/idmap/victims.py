@@ -35,8 +35,11 @@ def spans(start: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torc
     first = torch.cumsum(length, 0) - length  # [m] where each i's run begins
     q = int(first[-1] + length[-1]) if length.numel() else 0
     begins = first[1:]
-    mark = torch.zeros(q, dtype=torch.int64).index_add_(0, begins[begins < q], torch.ones_like(begins[begins < q]))
-    owner = torch.cumsum(mark, 0)  # [q] (a run of length 0 owns nothing: the next run's mark counts it)
+    mark = torch.zeros(q, dtype=torch.int64).index_add_(
+        0, begins[begins < q], torch.ones_like(begins[begins < q])
+    )
+    # [q] (a run of length 0 owns nothing: the next run's mark counts it)
+    owner = torch.cumsum(mark, 0)
     return (start - first).index_select(0, owner).add_(torch.arange(q)), owner
 
 
@@ -53,14 +56,22 @@ class RecentVictims:
         self.head = torch.zeros(self.count, dtype=torch.int64)  # [M] each table's next unread entry
         self.end = torch.zeros(self.count, dtype=torch.int64)  # [M] its list's end
         self.row_bits = bits(self.rows - 1)
-        self.when_bits, self.built = 1, -1  # key = table << (W + B) | last << B | row; clock of the refill
+        # key = table << (W + B) | last << B | row; clock of the refill
+        self.when_bits, self.built = 1, -1
 
     def fits(self, clock: int) -> bool:
         """Whether packed keys of this clock fit in int64."""
         return bits(self.count) + bits(clock + 1) + self.row_bits < 63
 
-    def choose(self, tabs: torch.Tensor, n: torch.Tensor, last: torch.Tensor, used: torch.Tensor,
-               top: int, clock: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def choose(
+        self,
+        tabs: torch.Tensor,
+        n: torch.Tensor,
+        last: torch.Tensor,
+        used: torch.Tensor,
+        top: int,
+        clock: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Up to n[i] movable rows of table tabs[i] (ascending), least recent first, ties lowest
         row (``last``, ``used`` [M, R]: every table's; movable: used and last <= ``top``) -> (tables
         [v], rows [v], rank within its table [v]), by table then rank. The rows are to be freed."""
@@ -85,20 +96,36 @@ class RecentVictims:
 
     def _take(self, tabs, n, last, used, strict: bool):
         """The victims from the lists' heads; None where ``strict`` and a list ran out."""
-        fast = native_take(self.keys, self.head, self.end, tabs.contiguous(), n.contiguous(), used, last,
-                           self.row_bits, self.when_bits, strict)
+        fast = native_take(
+            self.keys,
+            self.head,
+            self.end,
+            tabs.contiguous(),
+            n.contiguous(),
+            used,
+            last,
+            self.row_bits,
+            self.when_bits,
+            strict,
+        )
         if fast is not None:  # in C: each list walked from its head
             return None if isinstance(fast, str) else fast
-        head, avail = self.head.index_select(0, tabs), (self.end - self.head).index_select(0, tabs)  # [m]
+        # [m]
+        head, avail = self.head.index_select(0, tabs), (self.end - self.head).index_select(0, tabs)
         read = torch.minimum(avail, n * READ + SLACK)
         while True:
             pos, owner = spans(head, read)  # [q]
             key = self.keys.index_select(0, pos)
             b = self.row_bits
-            when = (key >> b) & ((1 << self.when_bits) - 1)  # [q] last use the entry was listed with
+            # [q] last use the entry was listed with
+            when = (key >> b) & ((1 << self.when_bits) - 1)
             tab, row = key >> (self.when_bits + b), key & ((1 << b) - 1)  # [q] each
             flat = tab * self.rows + row
-            true = used.view(-1).index_select(0, flat).logical_and_(last.view(-1).index_select(0, flat) == when)
+            true = (
+                used.view(-1)
+                .index_select(0, flat)
+                .logical_and_(last.view(-1).index_select(0, flat) == when)
+            )
             have = torch.zeros_like(n).index_add_(0, owner, true.to(torch.int64))  # [m]
             more = (have < n) & (read < avail)
             if not bool(more.any()):
@@ -107,11 +134,21 @@ class RecentVictims:
         if strict and bool((have < n).any()):
             return None
         before = torch.cumsum(true, 0) - true.to(torch.int64)  # [q] true entries before each
-        rank = before - (torch.cumsum(have, 0) - have).index_select(0, owner)  # [q] within its table
+        # [q] within its table
+        rank = before - (torch.cumsum(have, 0) - have).index_select(0, owner)
         chosen = where_true(true & (rank < n.index_select(0, owner)))  # [v]
         # Heads move past the last victim (entries before it are victims or no longer true).
-        stop = torch.zeros_like(head).scatter_reduce_(0, owner.index_select(0, chosen), pos.index_select(0, chosen) + 1,
-                                                     "amax", include_self=False)
+        stop = torch.zeros_like(head).scatter_reduce_(
+            0,
+            owner.index_select(0, chosen),
+            pos.index_select(0, chosen) + 1,
+            "amax",
+            include_self=False,
+        )
         stop = torch.where(have >= n, torch.maximum(stop, head), head + read)
         self.head.index_copy_(0, tabs, stop)
-        return tab.index_select(0, chosen), row.index_select(0, chosen), rank.index_select(0, chosen)
+        return (
+            tab.index_select(0, chosen),
+            row.index_select(0, chosen),
+            rank.index_select(0, chosen),
+        )

@@ -66,7 +66,12 @@ class IdMapDelta:
     def from_bytes(cls, blob: bytes) -> IdMapDelta:
         a = np.frombuffer(blob, dtype="<i8").astype(np.int64)
         c, s = int(a[0]), int(a[1])
-        return cls(a[2 : 2 + c], a[2 + c : 2 + 2 * c], a[2 + 2 * c : 2 + 2 * c + s], a[2 + 2 * c + s : 2 + 2 * c + 2 * s])
+        return cls(
+            a[2 : 2 + c],
+            a[2 + c : 2 + 2 * c],
+            a[2 + 2 * c : 2 + 2 * c + s],
+            a[2 + 2 * c + s : 2 + 2 * c + 2 * s],
+        )
 
 
 def _later_wins(a_keys: np.ndarray, a_vals: np.ndarray, b_keys: np.ndarray, b_vals: np.ndarray):
@@ -107,7 +112,8 @@ def owners_of(rows: int, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
 
 
 def find(ids: np.ndarray, rows: np.ndarray, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Look ``raw`` [m] up in a sorted map -> (found bool [m], row int64 [m], undefined where not found)."""
+    """Look ``raw`` [m] up in a sorted map -> (found bool [m], row int64 [m], undefined where not
+    found)."""
     if not len(ids):
         return np.zeros(len(raw), bool), np.zeros(len(raw), np.int64)
     at = np.minimum(np.searchsorted(ids, raw), len(ids) - 1)
@@ -118,12 +124,20 @@ class IdMapView:
     """A serving replica's map of one dynamic table: base and overlay, swapped as one tuple, so a
     lookup running while a delta lands sees the map before or after it, never half of it."""
 
-    def __init__(self, base_ids: np.ndarray, base_rows: np.ndarray,
-                 over_ids: np.ndarray | None = None, over_rows: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        base_ids: np.ndarray,
+        base_rows: np.ndarray,
+        over_ids: np.ndarray | None = None,
+        over_rows: np.ndarray | None = None,
+    ) -> None:
         empty = np.zeros(0, np.int64)
-        self._parts = (np.asarray(base_ids, np.int64), np.asarray(base_rows, np.int64),
-                       empty if over_ids is None else np.asarray(over_ids, np.int64),
-                       empty if over_rows is None else np.asarray(over_rows, np.int64))
+        self._parts = (
+            np.asarray(base_ids, np.int64),
+            np.asarray(base_rows, np.int64),
+            empty if over_ids is None else np.asarray(over_ids, np.int64),
+            empty if over_rows is None else np.asarray(over_rows, np.int64),
+        )
 
     @property
     def overlay_entries(self) -> int:

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 class DenseOptimizerConfig(BaseModel):
     """Optimizer of the dense parameters (MLPs and interaction; tower modules on the servers)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True
+    )
 
     kind: Literal["adam", "adagrad", "sgd"] = "adam"
     """adam, adagrad or sgd."""

@@ -31,7 +31,9 @@ def build_dense_optimizer(cfg: DenseOptimizerConfig, params) -> torch.optim.Opti
     if not params:
         return None
     kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[cfg.kind]
+    cls = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[
+        cfg.kind
+    ]
     if cfg.kind != "sgd":
         kwargs["eps"] = cfg.eps
     try:

@@ -23,9 +23,13 @@ def _one_buffer(views: list[torch.Tensor]) -> bool:
     v0 = views[0]
     width = math.prod(v0.shape[1:])
     return width > 0 and all(
-        v.untyped_storage().data_ptr() == v0.untyped_storage().data_ptr() and v.dtype == v0.dtype
-        and v.shape[1:] == v0.shape[1:] and v.is_contiguous() and v.storage_offset() % width == 0
-        for v in views)
+        v.untyped_storage().data_ptr() == v0.untyped_storage().data_ptr()
+        and v.dtype == v0.dtype
+        and v.shape[1:] == v0.shape[1:]
+        and v.is_contiguous()
+        and v.storage_offset() % width == 0
+        for v in views
+    )
 
 
 class RowBlocks:
@@ -46,11 +50,15 @@ class RowBlocks:
             v0, width = views[0], math.prod(views[0].shape[1:])
             n = v0.untyped_storage().nbytes() // v0.element_size() // width
             self.flat = v0.as_strided((n, *v0.shape[1:]), (width, *v0.stride()[1:]), 0)
-            self.base = torch.tensor([v.storage_offset() // width for v in views], dtype=torch.int64)  # [P]
+            # [P]
+            self.base = torch.tensor(
+                [v.storage_offset() // width for v in views], dtype=torch.int64
+            )
 
     def read(self, pieces: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` [k] of pieces ``pieces`` [k] -> a copy [k, *row]."""
-        if self.flat is not None:  # in C where it is built (native.py), else index_select (far cheaper than flat[index])
+        # in C where it is built (native.py), else index_select (far cheaper than flat[index])
+        if self.flat is not None:
             at = self.base[pieces] + rows
             fast = gather_rows(self.flat, at)
             return fast if fast is not None else self.flat.index_select(0, at)
@@ -61,7 +69,8 @@ class RowBlocks:
         return out
 
     def write(self, pieces: torch.Tensor, rows: torch.Tensor, values: torch.Tensor | float) -> None:
-        """Set rows ``rows`` [k] of pieces ``pieces`` [k] to ``values`` ([k, *row], or one number)."""
+        """Set rows ``rows`` [k] of pieces ``pieces`` [k] to ``values`` ([k, *row], or one
+        number)."""
         if self.flat is not None:  # the rows (pieces, rows) are distinct
             at = self.base[pieces] + rows
             if isinstance(values, torch.Tensor):

@@ -62,7 +62,10 @@ class TBEKernel(nn.Module):
     """
 
     def __init__(
-        self, tables: list[TableSpec], optimizer: SparseOptimizerConfig, device: torch.device,
+        self,
+        tables: list[TableSpec],
+        optimizer: SparseOptimizerConfig,
+        device: torch.device,
         feature_table_map: list[int] | None = None,
     ) -> None:
         super().__init__()

@@ -1,6 +1,7 @@
 """PyTorch kernel: the fallback where fbgemm cannot run (not installed, or Adam on CPU).
 
-Same interface, maths, state names and shapes as :mod:`embedding_server.kernels.tbe`; the optimizer is
+Same interface, maths, state names and shapes as :mod:`embedding_server.kernels.tbe`; the optimizer
+is
 fused into backward the same way (a custom autograd function that updates the rows in place
 and returns no gradient for the tables).
 """
@@ -37,12 +38,17 @@ class TorchKernel(nn.Module):
     """Tables of one pooling mode as plain tensors, looked up with ``F.embedding_bag``."""
 
     def __init__(
-        self, tables: list[TableSpec], optimizer: SparseOptimizerConfig, device: torch.device,
+        self,
+        tables: list[TableSpec],
+        optimizer: SparseOptimizerConfig,
+        device: torch.device,
         feature_table_map: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.tables = tables
-        self.feature_table_map = list(range(len(tables))) if feature_table_map is None else list(feature_table_map)
+        self.feature_table_map = (
+            list(range(len(tables))) if feature_table_map is None else list(feature_table_map)
+        )
         self.optimizer = optimizer
         self.mode = tables[0].pooling
         self._weights = [torch.zeros(t.rows, t.dim, device=device) for t in tables]
@@ -102,9 +108,13 @@ class TorchKernel(nn.Module):
             per_table[t][1].append(per_id)
         for t, (ids, grads) in sorted(per_table.items()):
             rows, inverse = torch.unique(torch.cat(ids), return_inverse=True)
-            summed = torch.zeros(rows.numel(), self.tables[t].dim, dtype=grad_out.dtype, device=grad_out.device)
+            summed = torch.zeros(
+                rows.numel(), self.tables[t].dim, dtype=grad_out.dtype, device=grad_out.device
+            )
             summed.index_add_(0, inverse, torch.cat(grads))  # [U, D_t]
-            apply_sparse_update(self.optimizer, self._weights[t], self._states[t], rows, summed, self._step)
+            apply_sparse_update(
+                self.optimizer, self._weights[t], self._states[t], rows, summed, self._step
+            )
 
     def weights(self) -> list[torch.Tensor]:
         return list(self._weights)

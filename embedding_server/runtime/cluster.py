@@ -65,7 +65,8 @@ class Cluster:
     roles: Roles
     rank: int
     trainer_group: object | None
-    """The trainers' group for DDP (NCCL when they train on CUDA, else Gloo); None for one trainer."""
+    """The trainers' group for DDP (NCCL when they train on CUDA, else Gloo); None for one
+    trainer."""
     slow_group: object | None = None
     """The world again, with a timeout scaled to the bytes of the model (:func:`open_slow_group`):
     for the moments when every rank waits on one rank's long work (restoring a checkpoint,
@@ -104,15 +105,26 @@ def wait_for_master(addr: str, port: int, deadline: float, who: str) -> None:
                 return
         except OSError as exc:
             if time.monotonic() > deadline:
-                raise ConfigError(f"{who}: the master {addr}:{port} did not answer in time ({exc})") from None
+                raise ConfigError(
+                    f"{who}: the master {addr}:{port} did not answer in time ({exc})"
+                ) from None
             if attempt % 10 == 1:
                 log.info("%s: waiting for the master at %s:%d (%s)", who, addr, port, exc)
             time.sleep(1.0)
 
 
-def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s: float = 600.0,
-         hosts: int = 0, topology_file: str | None = None, hierarchical: bool = False,
-         trainer_device: str = "cpu", heartbeat_s: float = 1.0, prog: str = "dlrm worker") -> Cluster:
+def join(
+    roles: Roles,
+    timeout_s: float,
+    rank: int | None = None,
+    join_timeout_s: float = 600.0,
+    hosts: int = 0,
+    topology_file: str | None = None,
+    hierarchical: bool = False,
+    trainer_device: str = "cpu",
+    heartbeat_s: float = 1.0,
+    prog: str = "dlrm worker",
+) -> Cluster:
     """Join the world (address and rank from the environment, as torchrun sets them).
 
     Rendezvous may wait up to ``join_timeout_s`` for every rank to arrive (ranks start in any
@@ -139,8 +151,17 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s
 
     def beat() -> Heartbeat:
         store = connect(addr, port, max(1.0, min(10.0, timeout_s / 4)))
-        return Heartbeat(store, rank, world, roles.describe, timeout_s, heartbeat_s, watch_peers=not supervised,
-                         where=f"{addr}:{port}", prog=prog).start()
+        return Heartbeat(
+            store,
+            rank,
+            world,
+            roles.describe,
+            timeout_s,
+            heartbeat_s,
+            watch_peers=not supervised,
+            where=f"{addr}:{port}",
+            prog=prog,
+        ).start()
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun already holds the store
         heartbeat = beat()
@@ -150,20 +171,28 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s
         hosts_store = rank == 0 and not supervised
         if not hosts_store:
             wait_for_master(addr, port, deadline, who)
-        log.info("%s: joining %d ranks at %s:%d (up to %.0fs)", who, world, addr, port, join_timeout_s)
+        log.info(
+            "%s: joining %d ranks at %s:%d (up to %.0fs)", who, world, addr, port, join_timeout_s
+        )
         store = dist.TCPStore(
-            addr, port, world, is_master=hosts_store, wait_for_workers=True,
+            addr,
+            port,
+            world,
+            is_master=hosts_store,
+            wait_for_workers=True,
             timeout=datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())),
         )
         heartbeat = beat()
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=step_timeout)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=step_timeout
+        )
     trainers = list(range(roles.num_trainers))
     # NCCL between trainers only if every trainer has CUDA (every rank must agree: group creation
     # is a collective made by every rank in the same order, members or not).
     mine = roles.is_trainer(rank) and trainer_device == "cuda" and torch.cuda.is_available()
     flags: list = [None] * world
     dist.all_gather_object(flags, mine)
-    cuda = all(flags[:roles.num_trainers])
+    cuda = all(flags[: roles.num_trainers])
     # DDP's all-reduce and the evaluation gathers: a lost trainer ends them within the step
     # timeout too (PyTorch's default would be 30 minutes).
     cpu_group = dist.new_group(trainers, timeout=step_timeout) if roles.num_trainers > 1 else None
@@ -179,11 +208,17 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s
         dist.all_gather_object(labels, host_label())
         topology = Topology.from_labels(labels)
     if hierarchical and not topology.uniform:
-        raise ConfigError(f"--hierarchical needs as many ranks on every host ({topology.describe()})")
+        raise ConfigError(
+            f"--hierarchical needs as many ranks on every host ({topology.describe()})"
+        )
     intra, peers = make_groups(topology, hierarchical, step_timeout)
     exchange = Exchange(topology, rank, hierarchical and intra is not None, intra, peers)
     if rank == 0:
-        log.info("topology: %s%s", topology.describe(), "; hierarchical all-to-all" if exchange.hierarchical else "")
+        log.info(
+            "topology: %s%s",
+            topology.describe(),
+            "; hierarchical all-to-all" if exchange.hierarchical else "",
+        )
     log.debug("joined as %s", who)
     return Cluster(roles, rank, group, None, topology, cpu_group, exchange, heartbeat=heartbeat)
 
@@ -191,5 +226,7 @@ def join(roles: Roles, timeout_s: float, rank: int | None = None, join_timeout_s
 def open_slow_group(cluster: Cluster, timeout_s: float) -> None:
     """Make the world group for waits on long work, with ``timeout_s`` (every rank calls this)."""
     world = cluster.roles.world_size
-    cluster.slow_group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=timeout_s))
+    cluster.slow_group = dist.new_group(
+        list(range(world)), timeout=datetime.timedelta(seconds=timeout_s)
+    )
     cluster.slow_timeout_s = timeout_s

@@ -87,13 +87,16 @@ class RowMarks:
 def changed_bags(hit: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """bool [S, B]: the bags (lengths [S, B], values slot-major) that hold a value with ``hit``
     (bool [n])."""
-    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.reshape(-1))  # [n]: each value's bag
+    # [n]: each value's bag
+    bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.reshape(-1))
     out = torch.zeros(lengths.numel(), dtype=torch.bool)
     out[bag[hit]] = True
     return out.view(lengths.shape)
 
 
-def relookup(shard: EmbeddingShard, values: torch.Tensor, lengths: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+def relookup(
+    shard: EmbeddingShard, values: torch.Tensor, lengths: torch.Tensor, masks: torch.Tensor
+) -> torch.Tensor:
     """The pooled vectors of the bags in ``masks`` (bool [S, B]) of a lookup (values [n],
     slot-major; lengths [S, B]), compacted: float [B', width] with B' the most bags changed in
     any slot; slot j's changed bags, in example order, are rows [0, n_j) of its columns (the rest
@@ -102,9 +105,12 @@ def relookup(shard: EmbeddingShard, values: torch.Tensor, lengths: torch.Tensor,
     counts = masks.sum(1)  # [S]
     slot, bag = masks.nonzero(as_tuple=True)  # the changed bags, slot-major, example order
     place = (torch.cumsum(masks, 1) - 1)[slot, bag]  # each one's row in the sub-batch
-    sub_lengths = torch.zeros(masks.shape[0], int(counts.max()) if counts.numel() else 0, dtype=lengths.dtype)
+    sub_lengths = torch.zeros(
+        masks.shape[0], int(counts.max()) if counts.numel() else 0, dtype=lengths.dtype
+    )
     sub_lengths[slot, place] = lengths[slot, bag]  # [S, B']
-    keep = torch.repeat_interleave(masks.reshape(-1), lengths.reshape(-1))  # [n]: values of changed bags
+    # [n]: values of changed bags
+    keep = torch.repeat_interleave(masks.reshape(-1), lengths.reshape(-1))
     sub = SparseFeatures.from_lengths(values[keep], sub_lengths)
     steps = [kernel.step for kernel in shard.kernels]
     with torch.no_grad():
@@ -130,16 +136,24 @@ def patch(block: torch.Tensor, message: torch.Tensor, dims: list[int]) -> int:
     return pos
 
 
-def correction_messages(masks: torch.Tensor, fresh: torch.Tensor | None, batches: list[int],
-                        dims: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+def correction_messages(
+    masks: torch.Tensor,
+    fresh: torch.Tensor | None,
+    batches: list[int],
+    dims: list[int],
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
     """Per trainer r, its correction message: per slot j its mask [B_r] and its recomputed
     vectors [n_rj, d_j], flat. masks: bool [S, sum B_r]; fresh: :func:`relookup`'s compacted
     [B', sum(dims)] (None: nothing changed). Trainer r's bags of slot j are, among slot j's
     changed bags, those after the earlier trainers' (examples are in trainer order)."""
     starts = [sum(batches[:r]) for r in range(len(batches) + 1)]
     cols = [sum(dims[:j]) for j in range(len(dims) + 1)]
-    per_trainer = torch.stack([masks[:, starts[r] : starts[r + 1]].sum(1) for r in range(len(batches))]) \
-        if batches else torch.zeros(0, len(dims), dtype=torch.int64)  # [T, S]
+    per_trainer = (
+        torch.stack([masks[:, starts[r] : starts[r + 1]].sum(1) for r in range(len(batches))])
+        if batches
+        else torch.zeros(0, len(dims), dtype=torch.int64)
+    )  # [T, S]
     first = (torch.cumsum(per_trainer, 0) - per_trainer).tolist()  # [T][S]: rows before trainer r's
     counts = per_trainer.tolist()
     out = []
@@ -153,7 +167,9 @@ def correction_messages(masks: torch.Tensor, fresh: torch.Tensor | None, batches
             parts.append(flags[j])
             if counts[r][j]:
                 a = first[r][j]
-                parts.append(fresh[a : a + counts[r][j], cols[j] : cols[j + 1]].reshape(-1).to(dtype))
+                parts.append(
+                    fresh[a : a + counts[r][j], cols[j] : cols[j + 1]].reshape(-1).to(dtype)
+                )
         out.append(torch.cat(parts))
     return out
 
@@ -176,8 +192,15 @@ class Corrector:
         timings: the server's timings (gains ``correct_s``, ``corrected_bags``, ``bags``).
     """
 
-    def __init__(self, shards: list[EmbeddingShard], dims: list[list[int]], trainers: list[int],
-                 wire_dtype: torch.dtype, transport, timings: dict[str, float]) -> None:
+    def __init__(
+        self,
+        shards: list[EmbeddingShard],
+        dims: list[list[int]],
+        trainers: list[int],
+        wire_dtype: torch.dtype,
+        transport,
+        timings: dict[str, float],
+    ) -> None:
         self.shards = shards
         self.dims = dims
         self.trainers = trainers
@@ -198,7 +221,8 @@ class Corrector:
         t0 = time.perf_counter()
         shard, slots, marks = self.shards[k], range(len(self.dims[k])), self._marks[k]
         values = torch.cat([ids[j][0] for j in slots for ids in per_trainer])  # [n], slot-major
-        lengths = torch.stack([torch.cat([ids[j][1] for ids in per_trainer]) for j in slots])  # [S, sum B_r]
+        # [S, sum B_r]
+        lengths = torch.stack([torch.cat([ids[j][1] for ids in per_trainer]) for j in slots])
         keys = marks.keys_of(values, lengths) if marks is not None else None
         if stale and keys is not None:
             masks = changed_bags(marks.hits(keys), lengths)  # [S, sum B_r]

@@ -94,7 +94,9 @@ class FlatStage:
             sent.wait()
             s.timings["wait_s"] += time.perf_counter() - t0
             return None
-        grads = s.transport.recv_floats(self.trainers, [b * width for b in batches], s.wire_dtype, GRADS)
+        grads = s.transport.recv_floats(
+            self.trainers, [b * width for b in batches], s.wire_dtype, GRADS
+        )
 
         def update() -> None:
             t1 = time.perf_counter()
@@ -104,7 +106,11 @@ class FlatStage:
             t2 = time.perf_counter()
             total = sum(batches)
             if total > 0 and pooled.requires_grad and pooled.grad_fn is not None:
-                g = (received[0] if len(received) == 1 else torch.cat(received)).view(total, width).to(pooled.dtype)
+                g = (
+                    (received[0] if len(received) == 1 else torch.cat(received))
+                    .view(total, width)
+                    .to(pooled.dtype)
+                )
                 pooled.backward(g)  # fused optimizer step
             s.timings["update_s"] += time.perf_counter() - t2
 
@@ -133,10 +139,20 @@ class EmbeddingServer:
         writer: its background checkpoint writer (default: unthrottled).
     """
 
-    def __init__(self, cluster: Cluster, plan: ShardingPlan, spec: FeatureSpec, embedding: EmbeddingConfig,
-                 dist: DistConfig, live: LiveConfig, seed: int, checkpoint_root: Path,
-                 stage: Callable[[EmbeddingServer], ServerStage] | None = None, chunks: int = 1,
-                 writer: CheckpointWriter | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        plan: ShardingPlan,
+        spec: FeatureSpec,
+        embedding: EmbeddingConfig,
+        dist: DistConfig,
+        live: LiveConfig,
+        seed: int,
+        checkpoint_root: Path,
+        stage: Callable[[EmbeddingServer], ServerStage] | None = None,
+        chunks: int = 1,
+        writer: CheckpointWriter | None = None,
+    ) -> None:
         self.cluster = cluster
         self.roles = cluster.roles
         self.index = self.roles.server_index(cluster.rank)
@@ -160,28 +176,53 @@ class EmbeddingServer:
         self.transport = cluster.transport
         self.id_dtype = ids_dtype(wire_id_bound(plan, spec))  # as the trainers send
         self.stage: ServerStage = (stage or FlatStage)(self)
-        self.semi_sync = dist.pipeline == "semi-sync" and self.stage.deferrable and self.transport.pipelined
+        self.semi_sync = (
+            dist.pipeline == "semi-sync" and self.stage.deferrable and self.transport.pipelined
+        )
         # Lockstep applies each update as soon as its gradients arrive; pipelined runs keep it
         # until the next step's ids are in, to interleave it chunk by chunk with their lookup.
         self.eager = dist.pipeline == "off" or not self.transport.pipelined
-        self._pending: list[Update | None] = [None] * max(1, len(self.chunks))  # per chunk: the last step's update
+        # per chunk: the last step's update
+        self._pending: list[Update | None] = [None] * max(1, len(self.chunks))
         # exact: early lookups corrected once the update is in (the trainers expect it alike).
-        corrected = (dist.pipeline == "exact" and dist.corrected_lookups and self.stage.deferrable
-                     and self.transport.pipelined and bool(self.shards))
-        self.corrector = Corrector(self.shards, [[p.dim for _, p in self.slots[a:b]] for a, b in self.chunks],
-                                   list(range(self.roles.num_trainers)), self.wire_dtype, self.transport,
-                                   self.timings) if corrected else None
+        corrected = (
+            dist.pipeline == "exact"
+            and dist.corrected_lookups
+            and self.stage.deferrable
+            and self.transport.pipelined
+            and bool(self.shards)
+        )
+        self.corrector = (
+            Corrector(
+                self.shards,
+                [[p.dim for _, p in self.slots[a:b]] for a, b in self.chunks],
+                list(range(self.roles.num_trainers)),
+                self.wire_dtype,
+                self.transport,
+                self.timings,
+            )
+            if corrected
+            else None
+        )
 
     def _chunk_shard(self, a: int, b: int, embedding: EmbeddingConfig, seed: int) -> EmbeddingShard:
         """The shard of slots [a, b): its pieces, each feature slot reading its piece."""
         pieces = list(dict.fromkeys(self.slot_piece[a:b]))
-        return EmbeddingShard([self.local_tables[p] for p in pieces], embedding.optimizer, "cpu", seed,
-                              embedding.init_scale or None, [pieces.index(p) for p in self.slot_piece[a:b]])
+        return EmbeddingShard(
+            [self.local_tables[p] for p in pieces],
+            embedding.optimizer,
+            "cpu",
+            seed,
+            embedding.init_scale or None,
+            [pieces.index(p) for p in self.slot_piece[a:b]],
+        )
 
     def restore(self, checkpoint: Path) -> None:
         if self.shard is not None:
             CheckpointTables(checkpoint).load_into(self.shard)
-            log.info("server %d restored %d pieces from %s", self.index, len(self.pieces), checkpoint)
+            log.info(
+                "server %d restored %d pieces from %s", self.index, len(self.pieces), checkpoint
+            )
         self.stage.restore(checkpoint)
 
     def serve(self) -> dict:
@@ -193,9 +234,13 @@ class EmbeddingServer:
             self.timings["wait_s"] += time.perf_counter() - t0
             command = messages[0][0]
             if any(m[0] != command for m in messages):
-                raise RuntimeError(f"server {self.index}: trainers disagree on the command: {[m[0] for m in messages]}")
+                raise RuntimeError(
+                    f"server {self.index}: trainers disagree on the command: "
+                    f"{[m[0] for m in messages]}"
+                )
             if command != Command.STOP:
-                incoming = self.transport.post_recv_ids()  # the next round arrives while this one runs
+                # the next round arrives while this one runs
+                incoming = self.transport.post_recv_ids()
             if command != Command.LOOKUP_TRAIN:
                 self._flush()  # every command but a training lookup sees all updates applied
             if command == Command.STOP:
@@ -206,8 +251,14 @@ class EmbeddingServer:
                     self.live.close()
                 ids = self.shard.id_stats() if self.shard is not None else {}
                 live = {"live": self.live.stats()} if self.live is not None else {}
-                return {"server": self.index, "steps": self.steps, "ids": ids, **live, **self.timings,
-                        **self.transport.stats}
+                return {
+                    "server": self.index,
+                    "steps": self.steps,
+                    "ids": ids,
+                    **live,
+                    **self.timings,
+                    **self.transport.stats,
+                }
             if command == Command.LIVE_START:
                 holder = [None]  # the version the master publishes now (it may take minutes)
                 dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
@@ -226,13 +277,17 @@ class EmbeddingServer:
         the lookup runs early: semi-sync, corrected exact), one fused lookup over every trainer's
         examples, the stage answers; then the early chunks' updates, and their corrections."""
         batches = [m[2] for m in messages]
-        per_trainer = [unpack_ids(m[3], b, len(self.slots)) for m, b in zip(messages, batches, strict=True)]
+        per_trainer = [
+            unpack_ids(m[3], b, len(self.slots)) for m, b in zip(messages, batches, strict=True)
+        ]
         if not train:
             self._flush()
         chunks = self.chunks or [(0, 0)]
         updates = []
         for k, (a, b) in enumerate(chunks):
-            early = self.semi_sync or (train and self.corrector is not None and self.corrector.early[k])
+            early = self.semi_sync or (
+                train and self.corrector is not None and self.corrector.early[k]
+            )
             if not early:
                 self._flush(k)  # this chunk's lookup sees the previous step's update
             pooled = self._lookup_chunk(k, a, b, per_trainer, batches, train)
@@ -240,7 +295,9 @@ class EmbeddingServer:
             update = self.stage.respond(pooled, batches, train)
             if self.semi_sync:
                 self._flush(k)  # the previous step's update runs after this lookup
-            updates.append(self._after(update, a, marks, last=k == len(chunks) - 1) if train else None)
+            updates.append(
+                self._after(update, a, marks, last=k == len(chunks) - 1) if train else None
+            )
         if train and self.corrector is not None:
             for k, (a, b) in enumerate(chunks):
                 stale = self._pending[k] is not None  # an update the early lookup did not see
@@ -251,15 +308,21 @@ class EmbeddingServer:
         if train and self.eager:
             self._flush()
 
-    def _lookup_chunk(self, k: int, a: int, b: int, per_trainer: list, batches: list[int], train: bool) -> torch.Tensor:
+    def _lookup_chunk(
+        self, k: int, a: int, b: int, per_trainer: list, batches: list[int], train: bool
+    ) -> torch.Tensor:
         total = sum(batches)
         t0 = time.perf_counter()
         if self.shards and total > 0:
-            # One fused lookup over all trainers' examples: slot j's bags are trainer 0's, then 1's...
+            # One fused lookup over all trainers' examples: slot j's bags are trainer 0's, then
+            # 1's...
             values = torch.cat([ids[j][0] for j in range(a, b) for ids in per_trainer])
-            lengths = torch.stack([torch.cat([ids[j][1] for ids in per_trainer]) for j in range(a, b)])
+            lengths = torch.stack(
+                [torch.cat([ids[j][1] for ids in per_trainer]) for j in range(a, b)]
+            )
             with torch.set_grad_enabled(train):
-                pooled = self.shards[k](SparseFeatures.from_lengths(values, lengths))  # [sum B_r, width_k]
+                # [sum B_r, width_k]
+                pooled = self.shards[k](SparseFeatures.from_lengths(values, lengths))
         else:
             width = sum(p.dim for _, p in self.slots[a:b])
             pooled = torch.zeros(total, width)
@@ -277,7 +340,9 @@ class EmbeddingServer:
             return parts
         return list(torch.split(values, [len(p) for p in parts]))
 
-    def _after(self, update: Update | None, a: int, marks: list[torch.Tensor] | None, last: bool) -> Update:
+    def _after(
+        self, update: Update | None, a: int, marks: list[torch.Tensor] | None, last: bool
+    ) -> Update:
         def run() -> None:
             if update is not None:
                 update()
@@ -307,8 +372,11 @@ class EmbeddingServer:
         store = open_store(self.live_config.store)
         names = [p.table for p in self.pieces]
         self.live = LivePusher(
-            store, version, [(p.table, p.row_start, p.rows) for p in self.pieces],
-            lambda: [self.shard.table_weights()[n] for n in names], self.live_config.push_every_s,
+            store,
+            version,
+            [(p.table, p.row_start, p.rows) for p in self.pieces],
+            lambda: [self.shard.table_weights()[n] for n in names],
+            self.live_config.push_every_s,
             owners=self.shard.id_owners,
         )
         log.info("server %d pushes live updates (version %s)", self.index, version)

@@ -67,7 +67,9 @@ class Topology:
     def even(cls, num_trainers: int, num_servers: int, num_hosts: int) -> Topology:
         """``num_hosts`` emulated hosts with contiguous blocks of trainers and of servers."""
         if num_hosts < 1 or num_hosts > max(num_trainers, num_servers):
-            raise ConfigError(f"--hosts {num_hosts}: must be between 1 and max(trainers, embedding servers)")
+            raise ConfigError(
+                f"--hosts {num_hosts}: must be between 1 and max(trainers, embedding servers)"
+            )
         trainers = [t * num_hosts // num_trainers for t in range(num_trainers)]
         servers = [s * num_hosts // num_servers for s in range(num_servers)] if num_servers else []
         return cls.from_labels(trainers + servers)
@@ -82,14 +84,20 @@ class Topology:
             for h, ranks in enumerate(groups):
                 for r in ranks:
                     if not isinstance(r, int) or not 0 <= r < world_size:
-                        raise ConfigError(f"topology {path}: rank {r!r} of host {h} is not in 0..{world_size - 1}")
+                        raise ConfigError(
+                            f"topology {path}: rank {r!r} of host {h} is not in 0..{world_size - 1}"
+                        )
                     if labels[r] is not None:
-                        raise ConfigError(f"topology {path}: rank {r} is on hosts {labels[r]} and {h}")
+                        raise ConfigError(
+                            f"topology {path}: rank {r} is on hosts {labels[r]} and {h}"
+                        )
                     labels[r] = h
         except FileNotFoundError:
             raise ConfigError(f"topology file {path} does not exist") from None
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"topology {path}: expected JSON {{\"hosts\": [[ranks], ...]}} ({exc})") from None
+            raise ConfigError(
+                f'topology {path}: expected JSON {{"hosts": [[ranks], ...]}} ({exc})'
+            ) from None
         missing = [r for r, h in enumerate(labels) if h is None]
         if missing:
             raise ConfigError(f"topology {path}: rank {missing[0]} is on no host")

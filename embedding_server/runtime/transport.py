@@ -34,7 +34,8 @@ from embedding_server.runtime.exchange import Exchange
 from embedding_server.wire import ID_HEADER
 
 IDS, POOLED, GRADS, CORRECT = 1, 2, 3, 4
-"""Channel tags (``CORRECT``: server -> trainer, corrections of early lookups, ``correction.py``)."""
+"""Channel tags (``CORRECT``: server -> trainer, corrections of early lookups,
+``correction.py``)."""
 INITIAL_CAPACITY = 4096
 """Elements of an id message's receive buffer before any message grew it."""
 
@@ -75,7 +76,9 @@ class P2PTransport:
 
     pipelined = True
 
-    def __init__(self, roles: Roles, rank: int, id_dtype: torch.dtype, remote: Sequence[bool] | None = None) -> None:
+    def __init__(
+        self, roles: Roles, rank: int, id_dtype: torch.dtype, remote: Sequence[bool] | None = None
+    ) -> None:
         self.roles = roles
         self.rank = rank
         self.id_dtype = id_dtype
@@ -89,7 +92,8 @@ class P2PTransport:
             self.stats["cross_host_bytes"] += t.numel() * t.element_size()
             self.stats["cross_host_messages"] += 1
 
-    # -- ids -----------------------------------------------------------------------------------------
+    # -- ids
+    # -----------------------------------------------------------------------------------------
 
     def send_ids(self, messages: list[torch.Tensor]) -> Pending:
         """Trainer: one id message (header + payload) to every server, in server order."""
@@ -116,7 +120,8 @@ class P2PTransport:
         return Pending(works, bufs, self.stats)
 
     def finish_ids(self, pending: Pending) -> list[torch.Tensor]:
-        """Server: wait for the posted id messages; receive any second part; -> one message per trainer."""
+        """Server: wait for the posted id messages; receive any second part; -> one message per
+        trainer."""
         bufs = pending.wait()
         out = []
         for r, buf in enumerate(bufs):
@@ -130,7 +135,8 @@ class P2PTransport:
             out.append(buf[:total])
         return out
 
-    # -- floats --------------------------------------------------------------------------------------
+    # -- floats
+    # --------------------------------------------------------------------------------------
 
     def send_floats(self, peers: list[int], tensors: list[torch.Tensor], tag: int) -> Pending:
         """Post one float message to each of ``peers`` (empty ones are not sent)."""
@@ -141,10 +147,15 @@ class P2PTransport:
                 self._count(peer, t)
         return Pending(works, stats=self.stats)
 
-    def recv_floats(self, peers: list[int], sizes: list[int], dtype: torch.dtype, tag: int) -> Pending:
+    def recv_floats(
+        self, peers: list[int], sizes: list[int], dtype: torch.dtype, tag: int
+    ) -> Pending:
         """Post the receive of one float message of a known size from each of ``peers``."""
         bufs = [torch.empty(n, dtype=dtype) for n in sizes]
-        works = [dist.irecv(b, peer, tag=tag) if b.numel() else None for peer, b in zip(peers, bufs, strict=True)]
+        works = [
+            dist.irecv(b, peer, tag=tag) if b.numel() else None
+            for peer, b in zip(peers, bufs, strict=True)
+        ]
         return Pending(works, bufs, self.stats)
 
 
@@ -162,7 +173,9 @@ class CollectiveTransport:
         self.exchange = exchange
         self.stats = exchange.stats
 
-    def _a2a(self, send: list[torch.Tensor], recv_sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    def _a2a(
+        self, send: list[torch.Tensor], recv_sizes: list[int], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
         """One world all-to-all: ``send`` one tensor per rank, receive ``recv_sizes`` per rank."""
         world = self.roles.world_size
         out = torch.empty(sum(recv_sizes), dtype=dtype)
@@ -173,10 +186,14 @@ class CollectiveTransport:
     def _sized_a2a(self, send: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
         """Sizes first (every pair, int64), then the data."""
         world = self.roles.world_size
-        sizes = self._a2a([torch.tensor([t.numel()], dtype=torch.int64) for t in send], [1] * world, torch.int64)
+        sizes = self._a2a(
+            [torch.tensor([t.numel()], dtype=torch.int64) for t in send], [1] * world, torch.int64
+        )
         return self._a2a(send, [int(s) for s in sizes], dtype)
 
-    def _per_rank(self, peers: list[int], tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    def _per_rank(
+        self, peers: list[int], tensors: list[torch.Tensor], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
         out = [torch.empty(0, dtype=dtype) for _ in range(self.roles.world_size)]
         for peer, t in zip(peers, tensors, strict=True):
             out[peer] = t.reshape(-1).to(dtype)
@@ -200,7 +217,9 @@ class CollectiveTransport:
         self._a2a(send, [0] * self.roles.world_size, dtype)
         return Pending([])
 
-    def recv_floats(self, peers: list[int], sizes: list[int], dtype: torch.dtype, tag: int) -> Pending:
+    def recv_floats(
+        self, peers: list[int], sizes: list[int], dtype: torch.dtype, tag: int
+    ) -> Pending:
         recv = [0] * self.roles.world_size
         for peer, n in zip(peers, sizes, strict=True):
             recv[peer] = n
@@ -226,8 +245,10 @@ def exchange_chunks(requested: int, cluster: Cluster, towers: bool) -> int:
     """
     if cluster.exchange is not None and cluster.exchange.hierarchical:
         if requested > 1:
-            raise ConfigError(f"dist.exchange_chunks = {requested} with --hierarchical: the hierarchical "
-                              "all-to-all is lockstep, one exchange per step (leave exchange_chunks at 0 or 1)")
+            raise ConfigError(
+                f"dist.exchange_chunks = {requested} with --hierarchical: the hierarchical "
+                "all-to-all is lockstep, one exchange per step (leave exchange_chunks at 0 or 1)"
+            )
         return 1
     if towers:
         return 1
@@ -237,6 +258,9 @@ def exchange_chunks(requested: int, cluster: Cluster, towers: bool) -> int:
     roles = cluster.roles
     if hosts is None:
         return 1
-    crossing = any(hosts[t] != hosts[roles.server_rank(s)] for t in range(roles.num_trainers)
-                   for s in range(roles.num_servers))
+    crossing = any(
+        hosts[t] != hosts[roles.server_rank(s)]
+        for t in range(roles.num_trainers)
+        for s in range(roles.num_servers)
+    )
     return 4 if crossing else 1

@@ -71,8 +71,13 @@ def done_key(rank: int) -> str:
 
 def connect(addr: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client connection of its own to the rendezvous store (never the process group's)."""
-    return dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(
+        addr,
+        port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 class PeerBeats:
@@ -125,9 +130,18 @@ class Heartbeat:
         prog: the command, for messages (``dlrm worker``).
     """
 
-    def __init__(self, store: dist.TCPStore, rank: int, world: int, describe: Callable[[int], str],
-                 timeout_s: float, interval_s: float = 1.0, watch_peers: bool = True, where: str = "",
-                 prog: str = "dlrm") -> None:
+    def __init__(
+        self,
+        store: dist.TCPStore,
+        rank: int,
+        world: int,
+        describe: Callable[[int], str],
+        timeout_s: float,
+        interval_s: float = 1.0,
+        watch_peers: bool = True,
+        where: str = "",
+        prog: str = "dlrm",
+    ) -> None:
         self.store = store
         self.rank = rank
         self.describe = describe
@@ -149,7 +163,8 @@ class Heartbeat:
         self._beat()
         self._io.start()
         self._guard.start()
-        atexit.register(self.close)  # a process that forgets close() still ends outside a store call
+        # a process that forgets close() still ends outside a store call
+        atexit.register(self.close)
         return self
 
     def close(self) -> None:
@@ -160,7 +175,8 @@ class Heartbeat:
 
     @contextlib.contextmanager
     def phase(self, what: str, bound_s: float) -> Iterator[None]:
-        """A long wait of this rank's own, which may last ``bound_s`` (then the rank ends itself)."""
+        """A long wait of this rank's own, which may last ``bound_s`` (then the rank ends
+        itself)."""
         previous = self._phase
         self._phase = (what, time.monotonic(), bound_s)
         self._wake.set()  # show it now
@@ -191,8 +207,12 @@ class Heartbeat:
                     pass
 
     def _beat(self) -> None:
-        status = {"step": self.progress() if self.progress else 0, "pid": os.getpid(),
-                  "phase": self._phase[0] if self._phase else "", "t": time.time()}
+        status = {
+            "step": self.progress() if self.progress else 0,
+            "pid": os.getpid(),
+            "phase": self._phase[0] if self._phase else "",
+            "t": time.time(),
+        }
         try:
             self.store.add(beat_key(self.rank), 1)
             self.store.set(status_key(self.rank), json.dumps(status))
@@ -207,22 +227,31 @@ class Heartbeat:
             if self._phase is not None:
                 what, started, bound = self._phase
                 if time.monotonic() - started > bound:
-                    self.fatal(f"{what} took longer than its bound of {bound:.0f}s (stuck storage or a stuck peer?)")
+                    self.fatal(
+                        f"{what} took longer than its bound of {bound:.0f}s (stuck storage or a "
+                        "stuck peer?)"
+                    )
 
     def _lost(self, now: float, quiet_s: float) -> str | None:
         """What has been silent for more than ``quiet_s``: the store (its host), else a peer."""
         if self.peers is None:
             return None
         if now - self._store_ok > quiet_s:
-            return (f"the rendezvous store {self.where} has not answered for {now - self._store_ok:.0f}s; its host "
-                    "(rank 0, or torchrun's agent) is lost")
+            return (
+                f"the rendezvous store {self.where} has not answered for "
+                f"{now - self._store_ok:.0f}s; its host "
+                "(rank 0, or torchrun's agent) is lost"
+            )
         # A peer's silence counts while the store answers (else the store is the one lost).
         silent = [(min(now, self._store_ok) - t, r) for r, t in list(self.peers.moved.items())]
         silent = [(q, r) for q, r in silent if q > quiet_s]
         if not silent:
             return None
         q, r = max(silent)
-        return f"{self.describe(r)} sent no heartbeat for {q:.0f}s (stopped, hung or cut off from the network)"
+        return (
+            f"{self.describe(r)} sent no heartbeat for {q:.0f}s (stopped, hung or cut off from "
+            "the network)"
+        )
 
     def suspect(self, min_quiet_s: float = 3.0) -> str | None:
         """Why a collective probably failed: the store or the quietest peer, silent for at least
@@ -234,7 +263,11 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
-        print(f"{self.prog}: {self.describe(self.rank)} stopped: {message}", file=sys.stdout, flush=True)
+        print(
+            f"{self.prog}: {self.describe(self.rank)} stopped: {message}",
+            file=sys.stdout,
+            flush=True,
+        )
         os._exit(EXIT_LOST)
 
 
@@ -256,7 +289,8 @@ class JobMonitor:
         self._stopped_since: dict[int, float] = {}
 
     def lost(self, alive: list[bool]) -> tuple[int, str] | None:
-        """(rank, why) of a live rank that stopped beating (or is stopped before beating), else None."""
+        """(rank, why) of a live rank that stopped beating (or is stopped before beating), else
+        None."""
         now = time.monotonic()
         self.beats.read(self.store, now)
         silent = self.beats.silent(now)
@@ -273,11 +307,16 @@ class JobMonitor:
             if quiet > self.timeout_s and (worst is None or quiet > worst[0]):
                 how = "is stopped (SIGSTOP)" if state in ("T", "t") else "stopped responding"
                 phase = self.phase(rank)
-                worst = (quiet, rank, f"{how}{f' while {phase}' if phase else ''}: no heartbeat for {quiet:.0f}s")
+                worst = (
+                    quiet,
+                    rank,
+                    f"{how}{f' while {phase}' if phase else ''}: no heartbeat for {quiet:.0f}s",
+                )
         return (worst[1], worst[2]) if worst else None
 
     def suspect(self, alive: list[bool], min_quiet_s: float) -> tuple[int, str] | None:
-        """The quietest live rank, silent (or stopped) for at least ``min_quiet_s``: the likely cause
+        """The quietest live rank, silent (or stopped) for at least ``min_quiet_s``: the likely
+        cause
         when another rank fails on a timeout."""
         saved, self.timeout_s = self.timeout_s, min_quiet_s
         try:

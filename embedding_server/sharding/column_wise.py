@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 
 
-def route(values: torch.Tensor, lengths: torch.Tensor, pieces, table) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def route(
+    values: torch.Tensor, lengths: torch.Tensor, pieces, table
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(values, lengths)] * len(pieces)
 
 

@@ -1,11 +1,11 @@
 """Row-wise: a table's rows split in contiguous blocks, one per server.
 
-    input_dist:  each id goes to the server holding its row (block = id // rows_per_block),
-                 as a local row (id - block start); a bag becomes one sub-bag per server
-                 (possibly empty)
-    lookup:      each server sum-pools its sub-bags
-    output_dist: the trainer adds the servers' partial sums (and divides by the whole bag's
-                 length for mean pooling); the gradient of the sum goes to every server alike
+input_dist:  each id goes to the server holding its row (block = id // rows_per_block),
+             as a local row (id - block start); a bag becomes one sub-bag per server
+             (possibly empty)
+lookup:      each server sum-pools its sub-bags
+output_dist: the trainer adds the servers' partial sums (and divides by the whole bag's
+             length for mean pooling); the gradient of the sum goes to every server alike
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 
-def route(values: torch.Tensor, lengths: torch.Tensor, pieces, table) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def route(
+    values: torch.Tensor, lengths: torch.Tensor, pieces, table
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     b = lengths.numel()
     bag = torch.repeat_interleave(torch.arange(b), lengths)  # bag of each id
     out = []

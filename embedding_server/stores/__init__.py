@@ -27,7 +27,10 @@ PASSWORD_FILE_ENV = "DLRM_STORE_PASSWORD_FILE"
 
 
 def open_store(
-    url: str, keep_versions: int = 3, timeout_s: float = 1.0, password_file: str | Path | None = None
+    url: str,
+    keep_versions: int = 3,
+    timeout_s: float = 1.0,
+    password_file: str | Path | None = None,
 ) -> ServingStore:
     """Open the store at ``url`` (``file://DIR``, a bare path, ``redis://...`` or ``rediss://...``).
 
@@ -47,4 +50,11 @@ def open_store(
     return RedisStore(url, keep_versions=keep_versions, timeout_s=timeout_s, password=password)
 
 
-__all__ = ["ServingStore", "StoreUnavailable", "UpdateBatch", "VersionNotFound", "VersionWriter", "open_store"]
+__all__ = [
+    "ServingStore",
+    "StoreUnavailable",
+    "UpdateBatch",
+    "VersionNotFound",
+    "VersionWriter",
+    "open_store",
+]

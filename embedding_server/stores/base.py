@@ -69,7 +69,9 @@ class VersionWriter(ABC):
     meta: ModelVersion
 
     @abstractmethod
-    def write_rows(self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None) -> None:
+    def write_rows(
+        self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None
+    ) -> None:
         """Rows ``[start, start + len(rows))`` of ``table`` (float [n, D]). ``keep`` (bool [n]):
         the rows to store, the others are served the table's default (None: all); a store may
         keep all of them anyway (the file store's tables are dense arrays)."""
@@ -139,7 +141,8 @@ class ServingStore(ABC):
         """Metadata of the complete versions, oldest first."""
         return [self.read_meta(v) for v in self.list_versions()]
 
-    # -- reading ------------------------------------------------------------------------------------
+    # -- reading
+    # ------------------------------------------------------------------------------------
     @abstractmethod
     def read_dense(self, version: str) -> dict[str, torch.Tensor]: ...
 
@@ -156,12 +159,14 @@ class ServingStore(ABC):
 
     @abstractmethod
     def read_id_map(self, version: str, table: str) -> tuple[np.ndarray, np.ndarray]:
-        """A dynamic table's (ids int64 [n] sorted, rows int64 [n]): as :meth:`VersionWriter.write_id_map`
+        """A dynamic table's (ids int64 [n] sorted, rows int64 [n]): as
+        :meth:`VersionWriter.write_id_map`
         wrote them, with every live update's changes applied."""
 
     @abstractmethod
     def read_owners(self, version: str, table: str, rows: np.ndarray) -> np.ndarray:
-        """The id each of a dynamic table's ``rows`` (int64 [n]) holds now, int64 [n] (NO_OWNER: none)."""
+        """The id each of a dynamic table's ``rows`` (int64 [n]) holds now, int64 [n] (NO_OWNER:
+        none)."""
 
     def get_checked_rows_many(
         self, version: str, requests: dict[str, np.ndarray], expect: dict[str, np.ndarray]
@@ -180,7 +185,9 @@ class ServingStore(ABC):
                 want = expect[table]
                 check = want != NO_OWNER
                 if check.any():
-                    owned[check] = self.read_owners(version, table, requests[table][check]) == want[check]
+                    owned[check] = (
+                        self.read_owners(version, table, requests[table][check]) == want[check]
+                    )
             out[table] = (raw, present, owned)
         return out
 
@@ -201,18 +208,26 @@ class ServingStore(ABC):
         meta = self.read_meta(version)
         dims = {t.name: t.dim for t in meta.spec.tables}
         stored = self.get_stored_rows_many(version, requests)
-        return {table: (dequantize_rows(raw, dims[table], meta.row_dtype), present)
-                for table, (raw, present) in stored.items()}
+        return {
+            table: (dequantize_rows(raw, dims[table], meta.row_dtype), present)
+            for table, (raw, present) in stored.items()
+        }
 
-    # -- writing ------------------------------------------------------------------------------------
+    # -- writing
+    # ------------------------------------------------------------------------------------
     @abstractmethod
     def begin(self, meta: ModelVersion) -> VersionWriter:
         """Start writing a new version."""
 
-    # -- live updates -------------------------------------------------------------------------------
+    # -- live updates
+    # -------------------------------------------------------------------------------
     @abstractmethod
-    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]],
-                    id_maps: dict[str, IdMapDelta] | None = None) -> None:
+    def update_rows(
+        self,
+        version: str,
+        updates: dict[str, tuple[np.ndarray, np.ndarray]],
+        id_maps: dict[str, IdMapDelta] | None = None,
+    ) -> None:
         """Rewrite rows of a published version: table -> (ids int64 [n], rows float [n, D]);
         ``id_maps``: dynamic tables' map changes, written so that a reader never takes a row for
         an id that does not hold it (the changed rows' owners are cleared before their rows are

@@ -11,7 +11,8 @@
     DIR/versions/<v>/idmaps/<name>.overlay.npy   live updates: int64 [2, k], the ids changed since
                                          (sorted) over their rows now (-1: evicted); rewritten
                                          whole by each push (O(k + c)), folded into the base past
-                                         ``view.compact_at(n)`` entries (O(n), amortised O(1) a change)
+                                         ``view.compact_at(n)`` entries (O(n), amortised O(1) a
+                                         change)
     DIR/versions/<v>/idmaps/<name>.rebased   generation of the last fold (absent: none)
     DIR/versions/<v>/idmaps/<name>.owner.npy   int64 [R], the id each row holds (memory-mapped,
                                          rewritten in place: cleared before a changed row is)
@@ -84,12 +85,16 @@ class FileVersionWriter(VersionWriter):
         if table not in self._arrays:
             rows, dim = self._dims[table]
             self._arrays[table] = np.lib.format.open_memmap(
-                self.tmp / "tables" / f"{table}.npy", mode="w+", dtype=NUMPY_DTYPE[self.meta.row_dtype],
+                self.tmp / "tables" / f"{table}.npy",
+                mode="w+",
+                dtype=NUMPY_DTYPE[self.meta.row_dtype],
                 shape=(rows, row_width(dim, self.meta.row_dtype)),
             )
         return self._arrays[table]
 
-    def write_rows(self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None) -> None:
+    def write_rows(
+        self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None
+    ) -> None:
         arr = self._array(table)
         arr[start : start + len(rows)] = encode_rows(rows, self.meta.row_dtype)
 
@@ -99,7 +104,9 @@ class FileVersionWriter(VersionWriter):
     def write_id_map(self, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
         (self.tmp / "idmaps").mkdir(exist_ok=True)
         np.save(self.tmp / "idmaps" / f"{table}.npy", np.stack([ids, rows]).astype(np.int64))
-        np.save(self.tmp / "idmaps" / f"{table}.owner.npy", owners_of(self._dims[table][0], ids, rows))
+        np.save(
+            self.tmp / "idmaps" / f"{table}.owner.npy", owners_of(self._dims[table][0], ids, rows)
+        )
         self.meta.owners = True
 
     def commit(self) -> None:
@@ -169,14 +176,20 @@ class FileStore(ServingStore):
     def list_versions(self) -> list[str]:
         if not self.versions_dir.exists():
             return []
-        done = [p for p in self.versions_dir.iterdir() if (p / "meta.json").exists() and not p.name.startswith(".")]
+        done = [
+            p
+            for p in self.versions_dir.iterdir()
+            if (p / "meta.json").exists() and not p.name.startswith(".")
+        ]
         return [p.name for p in sorted(done, key=lambda p: (p / "meta.json").stat().st_mtime)]
 
     def delete_version(self, version: str) -> None:
         path = self.versions_dir / check_version_name(version)
         with self.locked():
             if self.current_version() == version:
-                raise ConfigError(f"{self.url}: {version!r} is the current version; promote another first")
+                raise ConfigError(
+                    f"{self.url}: {version!r} is the current version; promote another first"
+                )
             if not path.exists():
                 return
             doomed = self.versions_dir / f".deleting-{version}-{os.getpid()}"
@@ -194,7 +207,9 @@ class FileStore(ServingStore):
     def read_dense(self, version: str) -> dict[str, torch.Tensor]:
         return decode_state((self._vdir(version) / "dense.pt").read_bytes())
 
-    def _map(self, version: str, table: str, writable: bool = False, folder: str = "tables") -> np.ndarray:
+    def _map(
+        self, version: str, table: str, writable: bool = False, folder: str = "tables"
+    ) -> np.ndarray:
         if writable:
             return np.load(self._vdir(version) / folder / f"{table}.npy", mmap_mode="r+")
         key = (version, table)
@@ -213,8 +228,9 @@ class FileStore(ServingStore):
         try:
             base = np.load(vdir / "idmaps" / f"{table}.npy", mmap_mode="r")
         except FileNotFoundError:
-            raise VersionNotFound(f"{self.url}: version {vdir.name!r} has no id map of table {table}",
-                                  vdir.name) from None
+            raise VersionNotFound(
+                f"{self.url}: version {vdir.name!r} has no id map of table {table}", vdir.name
+            ) from None
         path = vdir / "idmaps" / f"{table}.overlay.npy"
         over = np.load(path) if path.exists() else np.zeros((2, 0), np.int64)
         return base[0], base[1], over[0], over[1]
@@ -231,23 +247,29 @@ class FileStore(ServingStore):
         return self._map(version, f"{table}.owner", writable, folder="idmaps")
 
     def mapped_owners(self, version: str, table: str) -> np.ndarray:
-        """The owners' mapping, read-only (single requests check the rows they gather against it)."""
+        """The owners' mapping, read-only (single requests check the rows they gather against
+        it)."""
         return np.asarray(self._owners(version, table))
 
     def get_stored_rows_many(
         self, version: str, requests: dict[str, np.ndarray]
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         # A mapping outlives the deletion of its file: the rows read are the version's own.
-        return {table: (self._map(version, table)[ids], np.ones(len(ids), dtype=bool))
-                for table, ids in requests.items()}
+        return {
+            table: (self._map(version, table)[ids], np.ones(len(ids), dtype=bool))
+            for table, ids in requests.items()
+        }
 
     def mapped_table(self, version: str, table: str) -> np.ndarray | None:
-        return np.asarray(self._map(version, table))  # the mapping, as a plain ndarray (no memmap per gather)
+        # the mapping, as a plain ndarray (no memmap per gather)
+        return np.asarray(self._map(version, table))
 
     def begin(self, meta: ModelVersion) -> VersionWriter:
         check_version_name(meta.version)
         if (self.versions_dir / meta.version).exists():
-            raise ConfigError(f"{self.url} already has a version {meta.version!r}: publish under a new name")
+            raise ConfigError(
+                f"{self.url} already has a version {meta.version!r}: publish under a new name"
+            )
         return FileVersionWriter(self, meta)
 
     def release(self, keep: Collection[str]) -> None:
@@ -266,8 +288,12 @@ class FileStore(ServingStore):
     def _bump(self, vdir: Path) -> None:
         atomic_write_bytes(vdir / "GENERATION", str(self._generation(vdir) + 1).encode())
 
-    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]],
-                    id_maps: dict[str, IdMapDelta] | None = None) -> None:
+    def update_rows(
+        self,
+        version: str,
+        updates: dict[str, tuple[np.ndarray, np.ndarray]],
+        id_maps: dict[str, IdMapDelta] | None = None,
+    ) -> None:
         # Readers see rows the moment they are written (the same pages): a changed row's owner is
         # cleared first, its map entry moves, the row is rewritten, then the new owner is set.
         with self.locked():
@@ -293,8 +319,13 @@ class FileStore(ServingStore):
         over_ids, over_rows = merge_overlay(over_ids, over_rows, delta.ids, delta.rows)
         folder = vdir / "idmaps"
         if len(over_ids) > compact_at(len(base_ids)):
-            atomic_write_bytes(folder / f"{table}.npy", _npy(np.stack(fold(base_ids, base_rows, over_ids, over_rows))))
-            atomic_write_bytes(folder / f"{table}.rebased", str(self._generation(vdir) + 1).encode())
+            atomic_write_bytes(
+                folder / f"{table}.npy",
+                _npy(np.stack(fold(base_ids, base_rows, over_ids, over_rows))),
+            )
+            atomic_write_bytes(
+                folder / f"{table}.rebased", str(self._generation(vdir) + 1).encode()
+            )
             over_ids = over_rows = np.zeros(0, np.int64)
             self.compactions += 1
         atomic_write_bytes(folder / f"{table}.overlay.npy", _npy(np.stack([over_ids, over_rows])))
@@ -318,8 +349,12 @@ class FileStore(ServingStore):
         written_at = None
         if cursor is not None and cursor.partition(":")[0] != str(generation):
             written_at = (vdir / "GENERATION").stat().st_mtime  # (the newest write: a lower bound)
-        batch = UpdateBatch(cursor=f"{generation}:{stamp}", generation=generation, dense_changed=dense_changed,
-                            written_at=written_at)
+        batch = UpdateBatch(
+            cursor=f"{generation}:{stamp}",
+            generation=generation,
+            dense_changed=dense_changed,
+            written_at=written_at,
+        )
         if written_at is not None:
             self._map_changes(version, vdir, int(cursor.partition(":")[0] or 0), batch)
         return batch
@@ -336,7 +371,9 @@ class FileStore(ServingStore):
                     continue
                 _, _, ids, rows = self._id_map_parts(vdir, table)
                 if len(ids):
-                    batch.id_maps[table] = IdMapDelta(ids, rows, np.zeros(0, np.int64), np.zeros(0, np.int64))
+                    batch.id_maps[table] = IdMapDelta(
+                        ids, rows, np.zeros(0, np.int64), np.zeros(0, np.int64)
+                    )
 
 
 def _npy(arr: np.ndarray) -> bytes:

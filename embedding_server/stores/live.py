@@ -77,11 +77,14 @@ class LivePusher:
         """The id each row of every dynamic table holds now, int64 [R] (NO_OWNER: none)."""
         if self.owners is None:
             return {}
-        return {table: np.where(used.numpy(), row_id.numpy(), NO_OWNER)
-                for table, (row_id, used) in self.owners().items()}
+        return {
+            table: np.where(used.numpy(), row_id.numpy(), NO_OWNER)
+            for table, (row_id, used) in self.owners().items()
+        }
 
     def _map_changes(self) -> dict[str, IdMapDelta]:
-        """Per dynamic table: its map's changes since the last push (tables without any: left out)."""
+        """Per dynamic table: its map's changes since the last push (tables without any: left
+        out)."""
         now = self._read_owners()
         out = {}
         for table, owner in now.items():
@@ -95,7 +98,8 @@ class LivePusher:
             rows = np.concatenate([slots[came], np.full(int(gone.sum()), -1, np.int64)])
             ids, first = np.unique(ids, return_index=True)
             piece = next(i for i, (name, _, _) in enumerate(self.pieces) if name == table)
-            start = self.pieces[piece][1]  # a piece of a table split by rows: its rows are global + start
+            # a piece of a table split by rows: its rows are global + start
+            start = self.pieces[piece][1]
             rows = rows[first]
             out[table] = IdMapDelta(ids, np.where(rows >= 0, rows + start, -1), slots + start, new)
             self.dirty[piece][slots[came]] = True  # a new id's row goes with its map entry
@@ -108,8 +112,19 @@ class LivePusher:
     def stats(self) -> dict[str, int]:
         """What this pusher did: pushes that landed, rows pushed, id-map entries pushed (admissions
         and evictions), failed pushes (retried with the next), overlays its store folded."""
-        return dict(zip(self.STATS, (self.pushes, self.rows_pushed, self.map_changes, self.failures,
-                                     self.store.compactions), strict=True))
+        return dict(
+            zip(
+                self.STATS,
+                (
+                    self.pushes,
+                    self.rows_pushed,
+                    self.map_changes,
+                    self.failures,
+                    self.store.compactions,
+                ),
+                strict=True,
+            )
+        )
 
     def mark(self, piece: int, local_ids: np.ndarray) -> None:
         self.dirty[piece][local_ids] = True
@@ -160,13 +175,18 @@ class LivePusher:
                 self.pushes += 1
             except VersionNotFound:
                 self.gone, self._retry, self._retry_maps = True, {}, {}
-                log.warning("live updates stop: version %s is no longer in %s (collected or deleted)",
-                            self.version, self.store.url)
+                log.warning(
+                    "live updates stop: version %s is no longer in %s (collected or deleted)",
+                    self.version,
+                    self.store.url,
+                )
             except Exception as exc:
                 self.failures += 1  # a row push stays in _retry / _retry_maps: merged into the next
                 log.warning("live update push failed (%s); retrying with the next push", exc)
 
-    def _push(self, updates: dict[str, tuple[np.ndarray, np.ndarray]], maps: dict[str, IdMapDelta]) -> None:
+    def _push(
+        self, updates: dict[str, tuple[np.ndarray, np.ndarray]], maps: dict[str, IdMapDelta]
+    ) -> None:
         """One push, a failed one's rows and map changes merged in (the newer row wins)."""
         for table, (ids, rows) in self._retry.items():
             if table in updates:

@@ -55,7 +55,8 @@ class BlockBuffer:
     def __init__(self, table_rows: int, row_bytes: int) -> None:
         self.rows, self.row_bytes = table_rows, row_bytes
         self.per_block = block_rows(row_bytes)
-        self._open: dict[int, tuple[np.ndarray, list[int]]] = {}  # block -> (bytes [len, W], [given, kept])
+        # block -> (bytes [len, W], [given, kept])
+        self._open: dict[int, tuple[np.ndarray, list[int]]] = {}
 
     def add(self, start: int, enc: np.ndarray, keep: np.ndarray | None) -> list[tuple[int, bytes]]:
         """Rows ``[start, start + n)`` as stored (uint8 view [n, W]); ``keep``: bool [n], the rows
@@ -74,10 +75,14 @@ class BlockBuffer:
                 if kept:
                     done.append((b, piece.tobytes()))
             else:
-                buf, counts = self._open.setdefault(b, (np.full((n, self.row_bytes), ABSENT, np.uint8), [0, 0]))
+                buf, counts = self._open.setdefault(
+                    b, (np.full((n, self.row_bytes), ABSENT, np.uint8), [0, 0])
+                )
                 buf[lo:hi] = enc[r - start : r - start + hi - lo]
                 counts[0] += hi - lo
-                counts[1] += (hi - lo) if keep is None else int(keep[r - start : r - start + hi - lo].sum())
+                counts[1] += (
+                    (hi - lo) if keep is None else int(keep[r - start : r - start + hi - lo].sum())
+                )
                 if counts[0] >= n:
                     del self._open[b]
                     if counts[1]:
@@ -91,8 +96,11 @@ class BlockBuffer:
         return out
 
 
-def rows_by_block(ids: np.ndarray, enc: np.ndarray, rows_per_block: int) -> dict[int, list[tuple[int, bytes]]]:
-    """Rows to rewrite (ids int64 [n], stored bytes uint8 [n, W]) -> block -> [(byte offset, row bytes)]."""
+def rows_by_block(
+    ids: np.ndarray, enc: np.ndarray, rows_per_block: int
+) -> dict[int, list[tuple[int, bytes]]]:
+    """Rows to rewrite (ids int64 [n], stored bytes uint8 [n, W]) -> block -> [(byte offset, row
+    bytes)]."""
     out: dict[int, list[tuple[int, bytes]]] = defaultdict(list)
     width = enc.shape[1]
     for i, row in enumerate(ids.tolist()):

@@ -39,7 +39,9 @@ def overlay_changes_key(store, version: str, table: str) -> str:
 
 def overlay_keys(store, version: str, tables: list[str]) -> list[str]:
     """The overlay hashes of ``tables``, then their change counters (``UPDATE_ROWS``'s keys)."""
-    return [overlay_key(store, version, t) for t in tables] + [overlay_changes_key(store, version, t) for t in tables]
+    return [overlay_key(store, version, t) for t in tables] + [
+        overlay_changes_key(store, version, t) for t in tables
+    ]
 
 
 def read_id_map(store, version: str, table: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -56,7 +58,9 @@ def read_id_map(store, version: str, table: str) -> tuple[np.ndarray, np.ndarray
     return fold(pair[0], pair[1], *decode_overlay(over))
 
 
-def gather_rows(store, version: str, requests: dict[str, np.ndarray], expect: dict[str, np.ndarray]):
+def gather_rows(
+    store, version: str, requests: dict[str, np.ndarray], expect: dict[str, np.ndarray]
+):
     """Rows of a :class:`RedisStore` version in one round trip -> table -> (rows as stored
     [n, W], present [n], owners [n] or None, expect [n] or None); the tables in ``expect`` get
     each row's owner, read in the same call as the row."""
@@ -100,7 +104,11 @@ def gather_rows(store, version: str, requests: dict[str, np.ndarray], expect: di
         both = blob[at : at + n * step].reshape(n, step)
         at += n * step
         raw = both[:, :width] if owned else both
-        owner = np.ascontiguousarray(both[:, width:]).view("<i8").reshape(n).astype(np.int64) if owned else None
+        owner = (
+            np.ascontiguousarray(both[:, width:]).view("<i8").reshape(n).astype(np.int64)
+            if owned
+            else None
+        )
         raw = np.ascontiguousarray(raw)
         out[table] = (raw.view(dtype).reshape(n, -1), ~absent(raw), owner, expect.get(table))
     return out
@@ -113,8 +121,14 @@ def compact_after_push(store, version: str, tables: list[str]) -> None:
         try:
             maybe_compact(store, version, table)
         except StoreUnavailable as exc:
-            log.warning("redis store: folding the id-map overlay of %s (version %s) failed, retried after the "
-                        "next push: %s", table, version, exc)
+            log.warning(
+                "redis store: folding the id-map overlay of %s (version %s) failed, retried after "
+                "the "
+                "next push: %s",
+                table,
+                version,
+                exc,
+            )
 
 
 def maybe_compact(store, version: str, table: str) -> None:
@@ -139,8 +153,13 @@ def maybe_compact(store, version: str, table: str) -> None:
             return
         pair = np.frombuffer(raw, dtype="<i8").reshape(2, -1).astype(np.int64)
         folded = np.stack(fold(pair[0], pair[1], *decode_overlay(over))).astype("<i8").tobytes()
-        if store._scripts["COMPACT"](keys=[store.key("v", version, "meta"), base_key, over_key, changes_key],
-                                     args=[len(over), changes or b"0", folded]) == 1:
+        if (
+            store._scripts["COMPACT"](
+                keys=[store.key("v", version, "meta"), base_key, over_key, changes_key],
+                args=[len(over), changes or b"0", folded],
+            )
+            == 1
+        ):
             store.compactions += 1
 
 

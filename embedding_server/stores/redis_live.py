@@ -20,27 +20,62 @@ UPDATES_MAXLEN = 20_000
 
 
 def live_keys(store, version: str) -> list[str]:
-    return [store.key("v", version, "meta"), store.key("v", version, "gen"), store.key("v", version, "updates")]
+    return [
+        store.key("v", version, "meta"),
+        store.key("v", version, "gen"),
+        store.key("v", version, "updates"),
+    ]
 
-def update_rows(store, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]],
-                id_maps: dict[str, IdMapDelta] | None = None) -> None:
+
+def update_rows(
+    store,
+    version: str,
+    updates: dict[str, tuple[np.ndarray, np.ndarray]],
+    id_maps: dict[str, IdMapDelta] | None = None,
+) -> None:
     """One generation: every table's rows, dynamic tables' map entries (the overlay hashes) and
     owners, and the stream entry naming them, atomically, and only while the version exists
     (never recreating keys of a deleted one)."""
     meta = store.read_meta(version)
     id_maps = id_maps or {}
-    entry = [item for table, (ids, _) in updates.items() for item in (f"t:{table}".encode(), encode_ids(ids))]
-    entry += [item for table, delta in id_maps.items() for item in (f"m:{table}".encode(), delta.to_bytes())]
+    entry = [
+        item
+        for table, (ids, _) in updates.items()
+        for item in (f"t:{table}".encode(), encode_ids(ids))
+    ]
+    entry += [
+        item
+        for table, delta in id_maps.items()
+        for item in (f"m:{table}".encode(), delta.to_bytes())
+    ]
     keys = live_keys(store, version) + overlay_keys(store, version, list(id_maps))
     args = [UPDATES_MAXLEN, len(entry) // 2, *entry, len(id_maps)]
     for delta in id_maps.values():
         args.append(len(delta))
-        args.extend(b for pair in zip(int64_items(delta.ids), int64_items(delta.rows), strict=True) for b in pair)
+        args.extend(
+            b
+            for pair in zip(int64_items(delta.ids), int64_items(delta.rows), strict=True)
+            for b in pair
+        )
     specs = {t.name: t for t in meta.spec.tables}
-    blocks = [(store.rows_key(version, table, ""), ids, encode_rows(rows, meta.row_dtype), specs[table].rows)
-              for table, (ids, rows) in updates.items()]
-    blocks += [(store.owners_key(version, table, ""), d.slots, np.asarray(d.owners, "<i8"), specs[table].rows)
-               for table, d in id_maps.items()]
+    blocks = [
+        (
+            store.rows_key(version, table, ""),
+            ids,
+            encode_rows(rows, meta.row_dtype),
+            specs[table].rows,
+        )
+        for table, (ids, rows) in updates.items()
+    ]
+    blocks += [
+        (
+            store.owners_key(version, table, ""),
+            d.slots,
+            np.asarray(d.owners, "<i8"),
+            specs[table].rows,
+        )
+        for table, d in id_maps.items()
+    ]
     for base, ids, enc, table_rows in blocks:
         enc = enc.view(np.uint8).reshape(len(ids), -1)  # [n, W bytes]
         width = enc.shape[1]
@@ -55,13 +90,16 @@ def update_rows(store, version: str, updates: dict[str, tuple[np.ndarray, np.nda
         raise store._gone(version)
     compact_after_push(store, version, list(id_maps))
 
+
 def update_dense(store, version: str, state: dict[str, torch.Tensor]) -> None:
     with store.errors():
         generation = store._scripts["UPDATE_DENSE"](
             keys=[*live_keys(store, version), store.key("v", version, "dense")],
-            args=[UPDATES_MAXLEN, encode_state(state)])
+            args=[UPDATES_MAXLEN, encode_state(state)],
+        )
     if generation < 0:
         raise store._gone(version)
+
 
 def poll_updates(store, version: str, cursor: str | None) -> UpdateBatch:
     """Cursor ``"<generation>:<stream id>"``. Entries carry their generation, so a gap (the
@@ -94,7 +132,9 @@ def _batch(entries, seen: int, after: str, generation: int) -> UpdateBatch:
     for entry_id, fields in items:
         g = int(fields.get(b"g", -1))
         if g != batch.generation + 1:  # a gap, or an entry without a generation
-            return UpdateBatch(cursor=f"{generation}:{items[-1][0].decode()}", generation=generation, lost=True)
+            return UpdateBatch(
+                cursor=f"{generation}:{items[-1][0].decode()}", generation=generation, lost=True
+            )
         batch.generation, batch.cursor = g, f"{g}:{entry_id.decode()}"
         if batch.written_at is None:  # a stream id starts with the server's time in ms
             batch.written_at = int(entry_id.split(b"-")[0]) / 1000
@@ -105,7 +145,9 @@ def _batch(entries, seen: int, after: str, generation: int) -> UpdateBatch:
                 rows[name[2:].decode()].append(decode_ids(value))
             elif name.startswith(b"m:"):  # in stream order: the later change wins
                 table, delta = name[2:].decode(), IdMapDelta.from_bytes(value)
-                batch.id_maps[table] = batch.id_maps[table].then(delta) if table in batch.id_maps else delta
+                batch.id_maps[table] = (
+                    batch.id_maps[table].then(delta) if table in batch.id_maps else delta
+                )
     if not items and generation > seen:  # every entry after ours was trimmed
         return UpdateBatch(cursor=f"{generation}:{after}", generation=generation, lost=True)
     batch.rows = {t: np.unique(np.concatenate(v)) for t, v in rows.items()}

@@ -5,7 +5,8 @@ Keys (``P`` is the prefix, default ``dlrm``):
 
     P:current                      name of the current version
     P:versions                     sorted set of complete versions by publish time
-    P:incomplete                   set of versions being written; P:writing:<v> is the writer's lease
+    P:incomplete                   set of versions being written; P:writing:<v> is the writer's
+    lease
     P:v:<v>:meta                   ModelVersion (JSON)
     P:v:<v>:dense                  dense weights (torch.save bytes, loaded with weights_only)
     P:v:<v>:t:<table>:<block>      string: the rows of one block, as stored (fp32/fp16, or int8/int4
@@ -30,7 +31,8 @@ unreachable Redis raises :class:`StoreUnavailable` quickly instead of hanging a 
 the redacted URL ever appears in a message.
 
 Serving replicas need read commands only (GET, EXISTS, ZRANGE, XREAD, XRANGE, XREVRANGE,
-MULTI/EXEC, EVALSHA_RO / EVAL_RO of the read-only gather script): give them an ACL user without write access (docker/compose.yaml).
+MULTI/EXEC, EVALSHA_RO / EVAL_RO of the read-only gather script): give them an ACL user without
+write access (docker/compose.yaml).
 """
 
 from __future__ import annotations
@@ -89,7 +91,11 @@ class RedisStore(ServingStore):
     remote = True
 
     def __init__(
-        self, url: str, keep_versions: int = 3, prefix: str = "dlrm", timeout_s: float = 1.0,
+        self,
+        url: str,
+        keep_versions: int = 3,
+        prefix: str = "dlrm",
+        timeout_s: float = 1.0,
         password: str | None = None,
     ) -> None:
         super().__init__(keep_versions)
@@ -102,27 +108,47 @@ class RedisStore(ServingStore):
         self.prefix = prefix
         self._secrets = [url_password(url), password]
         if password is not None and url_password(url):
-            raise ConfigError(f"store URL {self.url}: a password is in the URL and in a password file; give it once")
+            raise ConfigError(
+                f"store URL {self.url}: a password is in the URL and in a password file; give it "
+                "once"
+            )
         extra = {"password": password} if password is not None else {}
         try:
             # No client-side retries: a failed call fails fast (the API answers 503 at once and
             # the next call reconnects), instead of stalling requests for seconds of backoff.
             # Bulk writes (publishing, live updates, deleting a version) move megabytes per round
             # trip: their own connections wait up to BULK_TIMEOUT_S.
-            self.client, self.bulk = (redis.Redis.from_url(
-                url, socket_timeout=t, socket_connect_timeout=timeout_s,
-                health_check_interval=30, decode_responses=False, retry=Retry(NoBackoff(), 0), **extra,
-            ) for t in (timeout_s, max(timeout_s, BULK_TIMEOUT_S)))
+            self.client, self.bulk = (
+                redis.Redis.from_url(
+                    url,
+                    socket_timeout=t,
+                    socket_connect_timeout=timeout_s,
+                    health_check_interval=30,
+                    decode_responses=False,
+                    retry=Retry(NoBackoff(), 0),
+                    **extra,
+                )
+                for t in (timeout_s, max(timeout_s, BULK_TIMEOUT_S))
+            )
         except (ValueError, TypeError):  # the library's message may quote the password: dropped
-            raise ConfigError(f"store URL {self.url}: not a valid Redis URL (redis://[user[:pw]@]host:port/db)") from None
+            raise ConfigError(
+                f"store URL {self.url}: not a valid Redis URL (redis://[user[:pw]@]host:port/db)"
+            ) from None
         self._meta_cache: dict[str, ModelVersion] = {}
         self._gather_sha = hashlib.sha1(GATHER.encode()).hexdigest()
-        self._scripts = {name: client.register_script(src) for name, src, client in (
-            ("PROMOTE", PROMOTE, self.client), ("FORGET", FORGET, self.client),
-            ("UPDATE_ROWS", UPDATE_ROWS, self.bulk), ("UPDATE_DENSE", UPDATE_DENSE, self.bulk),
-            ("COMPACT", COMPACT, self.bulk))}
+        self._scripts = {
+            name: client.register_script(src)
+            for name, src, client in (
+                ("PROMOTE", PROMOTE, self.client),
+                ("FORGET", FORGET, self.client),
+                ("UPDATE_ROWS", UPDATE_ROWS, self.bulk),
+                ("UPDATE_DENSE", UPDATE_DENSE, self.bulk),
+                ("COMPACT", COMPACT, self.bulk),
+            )
+        }
 
-    # -- helpers ------------------------------------------------------------------------------------
+    # -- helpers
+    # ------------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
 
@@ -138,13 +164,17 @@ class RedisStore(ServingStore):
         try:
             yield
         except redis.exceptions.AuthenticationError as exc:
-            raise StoreUnavailable(f"redis store {self.url}: authentication failed "
-                                   f"({scrub(str(exc), self._secrets)})") from None
+            raise StoreUnavailable(
+                f"redis store {self.url}: authentication failed ({scrub(str(exc), self._secrets)})"
+            ) from None
         except redis.exceptions.NoPermissionError as exc:
-            raise StoreUnavailable(f"redis store {self.url}: permission denied "
-                                   f"({scrub(str(exc), self._secrets)})") from None
+            raise StoreUnavailable(
+                f"redis store {self.url}: permission denied ({scrub(str(exc), self._secrets)})"
+            ) from None
         except REDIS_ERRORS as exc:
-            raise StoreUnavailable(f"redis store {self.url} unavailable: {scrub(str(exc), self._secrets)}") from None
+            raise StoreUnavailable(
+                f"redis store {self.url} unavailable: {scrub(str(exc), self._secrets)}"
+            ) from None
 
     def ping(self) -> None:
         with self.errors():
@@ -152,9 +182,12 @@ class RedisStore(ServingStore):
 
     def _gone(self, version: str) -> VersionNotFound:
         self._meta_cache.pop(version, None)
-        return VersionNotFound(f"{self.url} has no version {version!r} (deleted, or never published)", version)
+        return VersionNotFound(
+            f"{self.url} has no version {version!r} (deleted, or never published)", version
+        )
 
-    # -- registry ------------------------------------------------------------------------------------
+    # -- registry
+    # ------------------------------------------------------------------------------------
     def current_version(self) -> str | None:
         with self.errors():
             v = self.client.get(self.key("current"))
@@ -188,17 +221,28 @@ class RedisStore(ServingStore):
         check_version_name(version)
         with self.errors():
             done = self._scripts["PROMOTE"](
-                keys=[self.key("current"), self.key("versions"), self.key("v", version, "meta")], args=[version])
+                keys=[self.key("current"), self.key("versions"), self.key("v", version, "meta")],
+                args=[version],
+            )
         if not done:
             raise VersionNotFound(f"{self.url} has no complete version {version!r}", version)
 
     def delete_version(self, version: str) -> None:
         with self.errors():
             forgotten = self._scripts["FORGET"](
-                keys=[self.key("current"), self.key("versions"), self.key("incomplete"),
-                      self.key("v", version, "meta"), self.key("v", version, "gen")], args=[version])
+                keys=[
+                    self.key("current"),
+                    self.key("versions"),
+                    self.key("incomplete"),
+                    self.key("v", version, "meta"),
+                    self.key("v", version, "gen"),
+                ],
+                args=[version],
+            )
         if not forgotten:
-            raise ConfigError(f"{self.url}: {version!r} is the current version; promote another first")
+            raise ConfigError(
+                f"{self.url}: {version!r} is the current version; promote another first"
+            )
         self._meta_cache.pop(version, None)
         with self.errors():  # gone for everyone already; now the bulk of its keys
             batch = []
@@ -224,7 +268,12 @@ class RedisStore(ServingStore):
         if not limit or int(info["used_memory"]) + needed * 1.05 <= limit:
             return []
         collected = self.collect_garbage(keep=0)
-        log.info("redis store %s: collected %s to make room for %d MB of rows", self.url, collected, needed >> 20)
+        log.info(
+            "redis store %s: collected %s to make room for %d MB of rows",
+            self.url,
+            collected,
+            needed >> 20,
+        )
         return collected
 
     def collect_garbage(self, current: str | None = None, keep: int | None = None) -> list[str]:
@@ -236,7 +285,8 @@ class RedisStore(ServingStore):
             self.delete_version(v)
         return removed + stale
 
-    # -- reading -------------------------------------------------------------------------------------
+    # -- reading
+    # -------------------------------------------------------------------------------------
     def read_dense(self, version: str) -> dict[str, torch.Tensor]:
         with self.errors():
             raw = self.client.get(self.key("v", version, "dense"))
@@ -265,7 +315,10 @@ class RedisStore(ServingStore):
                 that reads the rows: deletion removes the meta first, so rows read while it
                 still exists are the version's own, and a missing row is never a deleted one).
         """
-        return {t: (raw, present) for t, (raw, present, _, _) in gather_rows(self, version, requests, {}).items()}
+        return {
+            t: (raw, present)
+            for t, (raw, present, _, _) in gather_rows(self, version, requests, {}).items()
+        }
 
     def get_checked_rows_many(
         self, version: str, requests: dict[str, np.ndarray], expect: dict[str, np.ndarray]
@@ -273,7 +326,11 @@ class RedisStore(ServingStore):
         """Each checked row and its owner in one ``GATHER`` call: read atomically together."""
         out = {}
         for t, (raw, present, owner, want) in gather_rows(self, version, requests, expect).items():
-            out[t] = (raw, present, np.ones(len(raw), bool) if owner is None else (want == NO_OWNER) | (owner == want))
+            out[t] = (
+                raw,
+                present,
+                np.ones(len(raw), bool) if owner is None else (want == NO_OWNER) | (owner == want),
+            )
         return out
 
     def _gather(self, calls: list[tuple]) -> list:
@@ -289,18 +346,28 @@ class RedisStore(ServingStore):
                 first = self.client.execute_command("EVAL_RO", GATHER, *calls[0])  # loads it too
                 return [first, *self._gather(calls[1:])] if len(calls) > 1 else [first]
 
-    # -- writing -------------------------------------------------------------------------------------
+    # -- writing
+    # -------------------------------------------------------------------------------------
     def begin(self, meta: ModelVersion) -> VersionWriter:
         check_version_name(meta.version)
         with self.errors():
-            taken = self.client.exists(self.key("v", meta.version, "meta")) or self.client.zscore(self.key("versions"), meta.version) is not None
+            taken = (
+                self.client.exists(self.key("v", meta.version, "meta"))
+                or self.client.zscore(self.key("versions"), meta.version) is not None
+            )
         if taken:
-            raise ConfigError(f"{self.url} already has a version {meta.version!r}: publish under a new name")
+            raise ConfigError(
+                f"{self.url} already has a version {meta.version!r}: publish under a new name"
+            )
         return RedisVersionWriter(self, meta)
 
     # -- live updates (``redis_live.py``) ------------------------------------------------------
-    def update_rows(self, version: str, updates: dict[str, tuple[np.ndarray, np.ndarray]],
-                    id_maps: dict[str, IdMapDelta] | None = None) -> None:
+    def update_rows(
+        self,
+        version: str,
+        updates: dict[str, tuple[np.ndarray, np.ndarray]],
+        id_maps: dict[str, IdMapDelta] | None = None,
+    ) -> None:
         redis_live.update_rows(self, version, updates, id_maps)
 
     def update_dense(self, version: str, state: dict[str, torch.Tensor]) -> None:

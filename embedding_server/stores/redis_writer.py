@@ -50,17 +50,25 @@ class RedisVersionWriter(VersionWriter):
                 # go (all but the current one), then write again, once
                 if not self.store.collect_garbage(keep=0):
                     raise
-                log.warning("redis store %s: out of memory, collected old versions to write %s",
-                            self.store.url, self.meta.version)
+                log.warning(
+                    "redis store %s: out of memory, collected old versions to write %s",
+                    self.store.url,
+                    self.meta.version,
+                )
                 self._pipe.execute()
         self._bytes = 0
 
-    def write_rows(self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None) -> None:
+    def write_rows(
+        self, table: str, start: int, rows: np.ndarray, keep: np.ndarray | None = None
+    ) -> None:
         buffer = self._blocks.get(table)
         if buffer is None:
             spec = next(t for t in self.meta.spec.tables if t.name == table)
-            buffer = self._blocks[table] = BlockBuffer(spec.rows, row_bytes(spec.dim, self.meta.row_dtype))
-        enc = encode_rows(rows, self.meta.row_dtype).view(np.uint8).reshape(len(rows), -1)  # [n, W bytes]
+            buffer = self._blocks[table] = BlockBuffer(
+                spec.rows, row_bytes(spec.dim, self.meta.row_dtype)
+            )
+        # [n, W bytes]
+        enc = encode_rows(rows, self.meta.row_dtype).view(np.uint8).reshape(len(rows), -1)
         self._set_blocks(table, buffer.add(start, enc, keep))
 
     def _set_blocks(self, table: str, blocks: list[tuple[int, bytes]]) -> None:
@@ -81,8 +89,10 @@ class RedisVersionWriter(VersionWriter):
         owner = owners_of(spec.rows, ids, rows).astype("<i8")
         per_block = block_rows(OWNER_BYTES)
         for block, start in enumerate(range(0, spec.rows, per_block)):
-            self._pipe.set(self.store.owners_key(self.meta.version, table, block),
-                           owner[start : start + per_block].tobytes())
+            self._pipe.set(
+                self.store.owners_key(self.meta.version, table, block),
+                owner[start : start + per_block].tobytes(),
+            )
             self._bytes += per_block * OWNER_BYTES
         self.meta.owners = True
 

@@ -31,17 +31,24 @@ from torch import nn
 
 class TowerModule(nn.Module):
     """Args:
-        num_features: F_t.
-        outputs: c_t vectors out.
-        dim: D of the tables.
-        out_dim: D' of the output vectors (a learned projection D -> D', shared by the tower's
-            outputs; None: D).
+    num_features: F_t.
+    outputs: c_t vectors out.
+    dim: D of the tables.
+    out_dim: D' of the output vectors (a learned projection D -> D', shared by the tower's
+        outputs; None: D).
     """
 
-    def __init__(self, num_features: int, outputs: int, dim: int, out_dim: int | None = None) -> None:
+    def __init__(
+        self, num_features: int, outputs: int, dim: int, out_dim: int | None = None
+    ) -> None:
         super().__init__()
         out_dim = out_dim or dim
-        self.num_features, self.outputs, self.dim, self.out_dim = num_features, outputs, dim, out_dim
+        self.num_features, self.outputs, self.dim, self.out_dim = (
+            num_features,
+            outputs,
+            dim,
+            out_dim,
+        )
         self.identity = outputs == num_features and out_dim == dim
         if not self.identity:
             rows, cols = torch.triu_indices(num_features, num_features, offset=1)
@@ -51,9 +58,13 @@ class TowerModule(nn.Module):
                 lo, hi = k * num_features // outputs, (k + 1) * num_features // outputs
                 mix[k, lo:hi] = (hi - lo) ** -0.5
             self.mix = nn.Parameter(mix)
-            # D -> D': orthonormal columns scaled by sqrt(D / D'), so dots keep their size on average
-            self.project = nn.Parameter(torch.linalg.qr(torch.randn(dim, out_dim))[0] * (dim / out_dim) ** 0.5) \
-                if out_dim != dim else None
+            # D -> D': orthonormal columns scaled by sqrt(D / D'), so dots keep their size on
+            # average
+            self.project = (
+                nn.Parameter(torch.linalg.qr(torch.randn(dim, out_dim))[0] * (dim / out_dim) ** 0.5)
+                if out_dim != dim
+                else None
+            )
             self.pairs = nn.Linear(self.upper.numel(), outputs * out_dim)
             nn.init.zeros_(self.pairs.weight)
             nn.init.zeros_(self.pairs.bias)
@@ -66,5 +77,6 @@ class TowerModule(nn.Module):
         mixed = torch.einsum("kf,bfd->bkd", self.mix, z)  # [B, c_t, D]
         if self.project is not None:
             mixed = mixed @ self.project  # [B, c_t, D']
-        pairs = torch.bmm(z, z.transpose(1, 2)).view(b, f * f).index_select(1, self.upper)  # [B, P_t]
+        # [B, P_t]
+        pairs = torch.bmm(z, z.transpose(1, 2)).view(b, f * f).index_select(1, self.upper)
         return mixed + self.pairs(pairs).view(b, self.outputs, self.out_dim)

@@ -117,8 +117,11 @@ class TowerPlan(BaseModel):
             if feat.name in seen:
                 first = tower_of_table.setdefault(feat.table, (seen[feat.name], feat.name))
                 if first[0] != seen[feat.name]:
-                    raise ConfigError(f"features {first[1]!r} and {feat.name!r} share table {feat.table!r}: "
-                                      f"put them in the same tower (they are in towers {first[0]} and {seen[feat.name]})")
+                    raise ConfigError(
+                        f"features {first[1]!r} and {feat.name!r} share table {feat.table!r}: "
+                        f"put them in the same tower (they are in towers {first[0]} and "
+                        f"{seen[feat.name]})"
+                    )
         missing = [n for n in spec.sparse_names if n not in seen]
         if missing:
             raise ConfigError(

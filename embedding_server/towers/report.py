@@ -96,7 +96,8 @@ def describe_towers(
     for t, tower in enumerate(plan.towers):
         share = float(cost[groups[t]].sum()) / total
         lines.append(
-            f"| {t} | {', '.join(tower.features)} | {tower.num_features} | {tower.outputs} | {share:.1%} |"
+            f"| {t} | {', '.join(tower.features)} | {tower.num_features} | {tower.outputs} | "
+            f"{share:.1%} |"
         )
     summary = f"cost balance (max/mean): {cost_balance(cost, groups):.3f}"
     if strength is not None:

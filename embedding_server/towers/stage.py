@@ -1,6 +1,7 @@
 """The tower stage: what towers change in a distributed step, on both sides of the exchange.
 
-The flat protocol (``runtime/server.py``, ``client/distributed.py``) runs unchanged up to the servers' fused
+The flat protocol (``runtime/server.py``, ``client/distributed.py``) runs unchanged up to the
+servers' fused
 lookup; a stage decides what the pooled embeddings become before they cross to the trainers,
 and how the gradients that come back reach the tables. The flat stages live beside the
 protocol; this module is the tower variant (DMT):
@@ -50,7 +51,9 @@ class TowerClientStage:
         # Floats per example each server sends back to this trainer: its tower's outputs, or none.
         self.recv_widths = [layout.width(mine[s]) if s in mine else 0 for s in range(num_servers)]
         # Identity towers hand the trainer every table's vector: put them back in table order.
-        self.in_table_order = None if layout.compressed else torch.argsort(torch.tensor(layout.feature_order))
+        self.in_table_order = (
+            None if layout.compressed else torch.argsort(torch.tensor(layout.feature_order))
+        )
 
     def output_dims(self, flat_dims: list[int]) -> list[int]:
         if not self.layout.compressed:
@@ -61,20 +64,28 @@ class TowerClientStage:
         """One message from each server running a tower module for this trainer."""
         return [(s, b * w) for s, w in enumerate(self.recv_widths) if w]
 
-    def assemble(self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]) -> torch.Tensor:
+    def assemble(
+        self, received: list[torch.Tensor], b: int, bag_lengths: list[torch.Tensor]
+    ) -> torch.Tensor:
         """Per tower (= per server, in order) [B, c_t * D'] -> [B, C * D']."""
         widths = [w for w in self.recv_widths if w]
         out = torch.cat([blk.view(b, w) for blk, w in zip(received, widths, strict=True)], dim=1)
         if self.in_table_order is not None:  # identity towers: the flat model's column order
             n = len(self.in_table_order)
-            out = out.view(b, n, self.layout.dim)[:, self.in_table_order].reshape(b, n * self.layout.dim)
+            out = out.view(b, n, self.layout.dim)[:, self.in_table_order].reshape(
+                b, n * self.layout.dim
+            )
         return out
 
-    def split_grad(self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+    def split_grad(
+        self, grad: torch.Tensor, b: int, bag_lengths: list[torch.Tensor]
+    ) -> list[tuple[int, torch.Tensor]]:
         """[B, C * D'] -> per tower, to the server running its module: (server, flat part)."""
         if self.in_table_order is not None:
             n = len(self.layout.feature_order)
-            grad = grad.view(b, n, self.layout.dim)[:, self.layout.feature_order].reshape(b, n * self.layout.dim)
+            grad = grad.view(b, n, self.layout.dim)[:, self.layout.feature_order].reshape(
+                b, n * self.layout.dim
+            )
         blocks = torch.split(grad, [w for w in self.recv_widths if w], dim=1)
         servers = [s for s, w in enumerate(self.recv_widths) if w]
         return [(s, blk.reshape(-1)) for s, blk in zip(servers, blocks, strict=True)]
@@ -92,8 +103,15 @@ class TowerServerStage:
         seed: every server of a tower starts its module from the same seed.
     """
 
-    def __init__(self, server, layout: TowerLayout, plan: ShardingPlan, groups: list | None,
-                 optimizer: DenseOptimizerConfig, seed: int) -> None:
+    def __init__(
+        self,
+        server,
+        layout: TowerLayout,
+        plan: ShardingPlan,
+        groups: list | None,
+        optimizer: DenseOptimizerConfig,
+        seed: int,
+    ) -> None:
         self.server = server
         self.layout = layout
         index = server.index
@@ -104,18 +122,27 @@ class TowerServerStage:
         self.group_slots = {s: plan.slots_on(s, spec.feature_tables) for s in self.group_servers}
         self.group_widths = [sum(p.dim for _, p in self.group_slots[s]) for s in self.group_servers]
         # Per tower feature: its table and the table's pieces (on this tower's servers).
-        self.tower_features = [(f, spec.table_of(f), plan.pieces_of(spec.table_of(f).name))
-                               for f in layout.features_of[t]]
+        self.tower_features = [
+            (f, spec.table_of(f), plan.pieces_of(spec.table_of(f).name))
+            for f in layout.features_of[t]
+        ]
         self.my_trainers = layout.trainers_of(index)
-        self.group_trainers = [layout.trainers_of(s) for s in self.group_servers]  # contiguous blocks
+        # contiguous blocks
+        self.group_trainers = [layout.trainers_of(s) for s in self.group_servers]
         server.timings["tower_s"] = 0.0
         topology = server.cluster.topology
         hosts = topology.hosts if topology else None
         roles = server.roles
-        self.group_remote = [bool(hosts) and hosts[roles.server_rank(s)] != hosts[server.cluster.rank]
-                             for s in self.group_servers]  # a tower straddling hosts: count its bytes
-        torch.manual_seed(seed * 1_000_003 + t)  # every server of the tower starts from the same module
-        self.module = TowerModule(len(layout.features_of[t]), layout.outputs[t], layout.dim, layout.out_dim)
+        self.group_remote = [
+            bool(hosts) and hosts[roles.server_rank(s)] != hosts[server.cluster.rank]
+            # a tower straddling hosts: count its bytes
+            for s in self.group_servers
+        ]
+        # every server of the tower starts from the same module
+        torch.manual_seed(seed * 1_000_003 + t)
+        self.module = TowerModule(
+            len(layout.features_of[t]), layout.outputs[t], layout.dim, layout.out_dim
+        )
         self.module_optimizer = build_dense_optimizer(optimizer, self.module.parameters())
         self.out_width = layout.width(t)
 
@@ -134,11 +161,16 @@ class TowerServerStage:
         slot_out = {}
         for srv, block in blocks.items():
             slots = self.group_slots[srv]
-            for (f, p), cols in zip(slots, torch.split(block, [p.dim for _, p in slots], dim=1), strict=True):
+            for (f, p), cols in zip(
+                slots, torch.split(block, [p.dim for _, p in slots], dim=1), strict=True
+            ):
                 slot_out[(f, p.table, p.row_start, p.col_start)] = cols
-        feats = [scheme_for(pieces[0].kind, table).combine([slot_out[(f, p.table, p.row_start, p.col_start)] for p in pieces],
-                                                 None, table)
-                 for f, table, pieces in self.tower_features]
+        feats = [
+            scheme_for(pieces[0].kind, table).combine(
+                [slot_out[(f, p.table, p.row_start, p.col_start)] for p in pieces], None, table
+            )
+            for f, table, pieces in self.tower_features
+        ]
         t1 = time.perf_counter()
         with torch.set_grad_enabled(train):
             z = torch.stack(feats, dim=1)  # [B_mine, F_t, D]
@@ -149,15 +181,20 @@ class TowerServerStage:
         wire = out.detach().to(s.wire_dtype)
         parts = iter(torch.split(wire, [batches[r] for r in mine]))
         t2 = time.perf_counter()
-        sent = s.transport.send_floats(peers, [next(parts).reshape(-1) if r in mine else wire[:0].reshape(-1)
-                                               for r in peers], POOLED)
+        sent = s.transport.send_floats(
+            peers,
+            [next(parts).reshape(-1) if r in mine else wire[:0].reshape(-1) for r in peers],
+            POOLED,
+        )
         if not train:
             sent.wait()
             s.timings["wait_s"] += time.perf_counter() - t2
             return None
         received = s.transport.recv_floats(peers, sizes, s.wire_dtype, GRADS).wait()
         sent.wait()
-        grads = torch.cat([received[r] for r in mine]) if mine else torch.zeros(0, dtype=s.wire_dtype)
+        grads = (
+            torch.cat([received[r] for r in mine]) if mine else torch.zeros(0, dtype=s.wire_dtype)
+        )
         s.timings["wait_s"] += time.perf_counter() - t2
         t3 = time.perf_counter()
         out.backward(grads.view(b_mine, self.out_width).float())  # through the module
@@ -172,19 +209,36 @@ class TowerServerStage:
             return {self.server.index: pooled}, None, None
         trainers = self.server.roles.num_trainers
         starts = [sum(batches[:r]) for r in range(trainers + 1)]
-        send = [pooled[starts[r[0]] : starts[r[-1] + 1]] if r else pooled[:0] for r in self.group_trainers]
+        send = [
+            pooled[starts[r[0]] : starts[r[-1] + 1]] if r else pooled[:0]
+            for r in self.group_trainers
+        ]
         in_splits = [blk.numel() for blk in send]
         out_splits = [b_mine * w for w in self.group_widths]
         recv = torch.empty(sum(out_splits), dtype=torch.float32)
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv, torch.cat([blk.detach().reshape(-1) for blk in send]), out_splits, in_splits,
-                               group=self.tower_group)
+        dist.all_to_all_single(
+            recv,
+            torch.cat([blk.detach().reshape(-1) for blk in send]),
+            out_splits,
+            in_splits,
+            group=self.tower_group,
+        )
         self._count_remote(in_splits)
         self.server.timings["wait_s"] += time.perf_counter() - t0
         gathered = recv.requires_grad_(train)  # a leaf: its gradient goes back the same way
-        blocks = dict(zip(self.group_servers, [blk.view(b_mine, w) for blk, w in
-                                               zip(torch.split(gathered, out_splits), self.group_widths, strict=True)],
-                          strict=True))
+        blocks = dict(
+            zip(
+                self.group_servers,
+                [
+                    blk.view(b_mine, w)
+                    for blk, w in zip(
+                        torch.split(gathered, out_splits), self.group_widths, strict=True
+                    )
+                ],
+                strict=True,
+            )
+        )
         return blocks, gathered, (in_splits, out_splits)
 
     def _return_table_grads(self, pooled: torch.Tensor, gathered, splits) -> None:
@@ -216,7 +270,9 @@ class TowerServerStage:
             dist.all_reduce(flat, group=self.tower_group)
             if any(self.group_remote):  # a ring all-reduce sends 2 (m - 1) / m of the buffer
                 m = len(self.group_servers)
-                self.server.transport.stats["cross_host_bytes"] += int(2 * (m - 1) / m * flat.numel() * 4)
+                self.server.transport.stats["cross_host_bytes"] += int(
+                    2 * (m - 1) / m * flat.numel() * 4
+                )
             grads = torch.split(flat, [p.numel() for p in params])
         for p, g in zip(params, grads, strict=True):
             p.grad = g.view_as(p)
@@ -228,10 +284,16 @@ class TowerServerStage:
     def snapshot(self) -> dict:
         if self.server.index != self.group_servers[0]:  # one copy per tower
             return {}
-        return {f"tower-{self.tower}.pt": copy.deepcopy({
-            "module": self.module.state_dict(),
-            "optimizer": self.module_optimizer.state_dict() if self.module_optimizer else {},
-        })}
+        return {
+            f"tower-{self.tower}.pt": copy.deepcopy(
+                {
+                    "module": self.module.state_dict(),
+                    "optimizer": self.module_optimizer.state_dict()
+                    if self.module_optimizer
+                    else {},
+                }
+            )
+        }
 
     def restore(self, checkpoint: Path) -> None:
         """Any server count: the module is per tower."""
