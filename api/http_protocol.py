@@ -88,8 +88,7 @@ class GuardedHttpTools(HttpToolsProtocol):
             return
         self._close(None)  # the app is reading the body: it sees a disconnect
 
-    # -- the connection and the parser's callbacks
-    # ----------------------------------------------------
+    # -- the connection and the parser's callbacks -------------------------------------------------
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm(self.header_timeout_s, self._headers_late)  # until the first request's headers

@@ -164,8 +164,7 @@ class ServingMetrics:
                 ready = sum(1 for s in family.samples if s.value >= 1)
         return ready, max(expected, 1)
 
-    # -- exposition
-    # ---------------------------------------------------------------------------------
+    # -- exposition --------------------------------------------------------------------------------
     def _collect(self) -> list[Metric]:
         if self.registry is not None:
             return list(self.registry.collect())

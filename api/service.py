@@ -72,8 +72,7 @@ class ModelService:
         )
         """Coalesces concurrent requests' model calls (started only with ``settings.batching``)."""
 
-    # -- loading
-    # ------------------------------------------------------------------------------------
+    # -- loading -----------------------------------------------------------------------------------
     def load(self, version: str) -> ServingModel:
         """Build one version (benchmarks override it to hold tables in memory)."""
         meta = self.store.read_meta(version)
@@ -124,8 +123,7 @@ class ModelService:
         self.versions.stop()
         self.batcher.stop()
 
-    # -- requests
-    # ------------------------------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------------------
     def check_name(self, name: str) -> None:
         if name != self.settings.model_name:
             raise ModelNotFound(

@@ -57,8 +57,7 @@ class Versions:
         self._vanished: str | None = None
         """The current version a request found deleted (the next load's reason)."""
 
-    # -- requests
-    # -----------------------------------------------------------------------------------
+    # -- requests ----------------------------------------------------------------------------------
     def holds(self, version: str) -> bool:
         """Whether ``version`` is loaded (current or pinned): ``get`` returns it without a store
         read."""
@@ -113,8 +112,7 @@ class Versions:
         self.pinned.pop(model.version, None)
         return ModelNotFound(f"version {model.version!r} left the store", "version")
 
-    # -- refreshing
-    # ---------------------------------------------------------------------------------
+    # -- refreshing --------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Load the store's current version if it moved, then follow live updates."""
         with self._refresh_lock:
@@ -208,8 +206,7 @@ class Versions:
         keep = {m.version for m in (self.current, *self.pinned.values()) if m is not None}
         self.store.release(keep)
 
-    # -- the poller
-    # ---------------------------------------------------------------------------------
+    # -- the poller --------------------------------------------------------------------------------
     def start(self) -> None:
         """Poll the store in a background thread until :meth:`stop`."""
         self.metrics.set_ready(self.current is not None)

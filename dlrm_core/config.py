@@ -174,8 +174,7 @@ def load_config(
         raise ConfigError(format_validation_error(exc, "command line", cls)) from None
 
 
-# -- flags
-# -------------------------------------------------------------------------------------------
+# -- flags -----------------------------------------------------------------------------------------
 
 
 def _scalar_type(annotation: Any) -> tuple[Any, list | None, bool] | None:

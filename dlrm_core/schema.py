@@ -215,8 +215,7 @@ class FeatureSpec(BaseModel):
         return len(self.tables) != len(self.categorical)
 
 
-# -- the Criteo layout
-# -------------------------------------------------------------------------------
+# -- the Criteo layout -----------------------------------------------------------------------------
 
 CRITEO_DENSE = [f"I{i + 1}" for i in range(13)]
 CRITEO_SPARSE = [f"C{i + 1}" for i in range(26)]
@@ -261,8 +260,7 @@ def criteo_spec(
     )
 
 
-# -- resolving a declared schema
-# -------------------------------------------------------------------------
+# -- resolving a declared schema -------------------------------------------------------------------
 
 _ID_SETTINGS = ("admit_after", "evict", "ttl_steps", "shared_rows", "start_from_shared")
 

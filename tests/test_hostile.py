@@ -63,8 +63,7 @@ def client(store_url):
         yield c
 
 
-# -- authentication fails closed
-# ----------------------------------------------------------------------
+# -- authentication fails closed -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("value", ["", "   ", " , ", ",,"])
@@ -150,8 +149,7 @@ def test_no_auth_is_explicit_and_still_serves(store_url):
         assert c.post(PREDICT, json={"instances": [GOOD]}).status_code == 200
 
 
-# -- the documentation, offline and with keys
-# -----------------------------------------------------------
+# -- the documentation, offline and with keys ------------------------------------------------------
 
 
 @pytest.mark.parametrize("page", ["/docs", "/redoc"])
@@ -169,8 +167,7 @@ def test_docs_render_with_keys_and_only_local_assets(store_url, page):
         assert c.get("/openapi.json", headers=AUTH).status_code == 200
 
 
-# -- input limits that hold across protocols
-# ------------------------------------------------------------
+# -- input limits that hold across protocols -------------------------------------------------------
 
 
 def _named(**values) -> dict:
@@ -318,8 +315,7 @@ def test_a_quoted_line_break_in_lines_is_named_not_split():
     assert err.value.field == "line 2" and "line breaks inside quotes" in err.value.message
 
 
-# -- a real server: slow sockets, header cap, probes ahead of scoring
-# -------------------------------------
+# -- a real server: slow sockets, header cap, probes ahead of scoring ------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -158,8 +158,7 @@ def test_no_store_password_shows_when_serving(trained_criteo, tmp_path):
     _clean(log)
 
 
-# -- format mismatches and schema inference
-# -----------------------------------------------------------
+# -- format mismatches and schema inference --------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

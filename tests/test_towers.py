@@ -93,8 +93,7 @@ def test_layout_places_each_tower_on_its_own_servers(tmp_path):
         TowerLayout(plan, mean, 4, 1).sharding("rowwise_adagrad", "row_wise")
 
 
-# -- real processes
-# ----------------------------------------------------------------------------------
+# -- real processes --------------------------------------------------------------------------------
 
 
 @pytest.mark.slow

@@ -190,8 +190,7 @@ def _calibrate(t: Teacher, ctr: float, seed: int) -> None:
     t.intercept = solve_intercept(_sample(t, 50_000, np.random.default_rng([seed, 7])).logit, ctr)
 
 
-# -- rows -> an arrow table -> a file
-# -------------------------------------------------------------------
+# -- rows -> an arrow table -> a file --------------------------------------------------------------
 
 
 class Names:

@@ -252,8 +252,7 @@ class DynamicIdMap:
         self._add("free", rows.numel())
         self._add("evicted", rows.numel())
 
-    # -- inspection and state
-    # -------------------------------------------------------------------------
+    # -- inspection and state ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
         """rows_used (admitted ids plus the shared rows), admitted, evicted, default_lookups

@@ -92,8 +92,7 @@ class P2PTransport:
             self.stats["cross_host_bytes"] += t.numel() * t.element_size()
             self.stats["cross_host_messages"] += 1
 
-    # -- ids
-    # -----------------------------------------------------------------------------------------
+    # -- ids ---------------------------------------------------------------------------------------
 
     def send_ids(self, messages: list[torch.Tensor]) -> Pending:
         """Trainer: one id message (header + payload) to every server, in server order."""
@@ -135,8 +134,7 @@ class P2PTransport:
             out.append(buf[:total])
         return out
 
-    # -- floats
-    # --------------------------------------------------------------------------------------
+    # -- floats ------------------------------------------------------------------------------------
 
     def send_floats(self, peers: list[int], tensors: list[torch.Tensor], tag: int) -> Pending:
         """Post one float message to each of ``peers`` (empty ones are not sent)."""

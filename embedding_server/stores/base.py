@@ -141,8 +141,7 @@ class ServingStore(ABC):
         """Metadata of the complete versions, oldest first."""
         return [self.read_meta(v) for v in self.list_versions()]
 
-    # -- reading
-    # ------------------------------------------------------------------------------------
+    # -- reading -----------------------------------------------------------------------------------
     @abstractmethod
     def read_dense(self, version: str) -> dict[str, torch.Tensor]: ...
 
@@ -213,14 +212,12 @@ class ServingStore(ABC):
             for table, (raw, present) in stored.items()
         }
 
-    # -- writing
-    # ------------------------------------------------------------------------------------
+    # -- writing -----------------------------------------------------------------------------------
     @abstractmethod
     def begin(self, meta: ModelVersion) -> VersionWriter:
         """Start writing a new version."""
 
-    # -- live updates
-    # -------------------------------------------------------------------------------
+    # -- live updates ------------------------------------------------------------------------------
     @abstractmethod
     def update_rows(
         self,

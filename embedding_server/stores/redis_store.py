@@ -147,8 +147,7 @@ class RedisStore(ServingStore):
             )
         }
 
-    # -- helpers
-    # ------------------------------------------------------------------------------------
+    # -- helpers -----------------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
 
@@ -186,8 +185,7 @@ class RedisStore(ServingStore):
             f"{self.url} has no version {version!r} (deleted, or never published)", version
         )
 
-    # -- registry
-    # ------------------------------------------------------------------------------------
+    # -- registry ----------------------------------------------------------------------------------
     def current_version(self) -> str | None:
         with self.errors():
             v = self.client.get(self.key("current"))
@@ -285,8 +283,7 @@ class RedisStore(ServingStore):
             self.delete_version(v)
         return removed + stale
 
-    # -- reading
-    # -------------------------------------------------------------------------------------
+    # -- reading -----------------------------------------------------------------------------------
     def read_dense(self, version: str) -> dict[str, torch.Tensor]:
         with self.errors():
             raw = self.client.get(self.key("v", version, "dense"))
@@ -346,8 +343,7 @@ class RedisStore(ServingStore):
                 first = self.client.execute_command("EVAL_RO", GATHER, *calls[0])  # loads it too
                 return [first, *self._gather(calls[1:])] if len(calls) > 1 else [first]
 
-    # -- writing
-    # -------------------------------------------------------------------------------------
+    # -- writing -----------------------------------------------------------------------------------
     def begin(self, meta: ModelVersion) -> VersionWriter:
         check_version_name(meta.version)
         with self.errors():
