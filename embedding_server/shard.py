@@ -205,6 +205,13 @@ class EmbeddingShard(nn.Module):
         if training:  # its rows are updated on backward
             for f, piece in enumerate(self.feature_map):
                 self.touched.mark(piece, sparse.feature_values(f)[0].cpu())
+        out = self._lookup(sparse)
+        if training and self.optimizer_config.weight_decay:
+            self._decay(sparse)  # after the lookup has read them, before backward updates them
+        return out
+
+    def _lookup(self, sparse: SparseFeatures) -> torch.Tensor:
+        """The kernels' pooled output of ``sparse`` (rows), in feature order: [B, sum(D_f)]."""
         if len(self.kernels) == 1 and self._unpermute is None:  # one kernel, features in order
             return self.kernels[0](sparse.values, sparse.offsets)
         outs = [
@@ -215,6 +222,20 @@ class EmbeddingShard(nn.Module):
         ]
         out = torch.cat(outs, dim=1)  # [B, sum(D_f)], grouped
         return out if self._unpermute is None else out.index_select(1, self._unpermute)
+
+    @torch.no_grad()
+    def _decay(self, sparse: SparseFeatures) -> None:
+        """Shrink the rows this training lookup reads by (1 - weight_decay), once per row and
+        step, before the backward updates them (the forward has used them already)."""
+        keep = 1.0 - self.optimizer_config.weight_decay
+        views = self._table_views()
+        rows: dict[int, list[torch.Tensor]] = {}
+        for f, t in enumerate(self.feature_map):
+            rows.setdefault(t, []).append(sparse.feature_values(f)[0])
+        for t, parts in rows.items():
+            touched = torch.unique(torch.cat(parts))
+            weight = views[t].data  # its own version counter: the kernel saved the weights
+            weight[touched] = weight[touched] * keep
 
     # -- state ------------------------------------------------------------------------------
 

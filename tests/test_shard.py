@@ -83,6 +83,42 @@ def test_features_sharing_tables_agree_across_kernels(kind, monkeypatch):
             torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-5)
 
 
+@needs_fbgemm
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "sgd"])
+def test_embedding_weight_decay_agrees_across_kernels(kind, monkeypatch):
+    cfg = SparseOptimizerConfig(kind=kind, lr=0.1, weight_decay=0.05)
+    fb = EmbeddingShard(TABLES, cfg)
+    pt = torch_shard(TABLES, cfg, monkeypatch)
+    plain = EmbeddingShard(TABLES, SparseOptimizerConfig(kind=kind, lr=0.1))
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        batch = random_batch(gen)
+        outs = [fb(batch), pt(batch), plain(batch)]
+        grad = torch.randn(outs[0].shape, generator=gen)
+        for out in outs:
+            out.backward(grad)
+    a, b, c = fb.export_state(), pt.export_state(), plain.export_state()
+    for key in a:
+        if key != "step":
+            torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=1e-5)
+    weights = [k for k in a if k.endswith(".weight")]
+    assert weights and any(not torch.equal(a[k], c[k]) for k in weights)  # the decay acted
+
+
+def test_weight_decay_shrinks_the_touched_rows_before_their_update(monkeypatch):
+    # sgd, lr 0.5, decay 0.1, a bag of row 3 twice: w3 <- 0.9 * w3 - 0.5 * (g + g), once per step
+    table = [LocalTable(TableSpec(name="a", rows=5, dim=2), 0)]
+    s = torch_shard(table, SparseOptimizerConfig(kind="sgd", lr=0.5, weight_decay=0.1), monkeypatch)
+    w0 = s.export_state()["a.weight"].clone()
+    batch = SparseFeatures.from_lengths(torch.tensor([3, 3]), torch.tensor([[2]]))
+    out = s(batch)
+    torch.testing.assert_close(out[0], 2 * w0[3])  # the forward saw the rows before the decay
+    out.backward(torch.ones_like(out))
+    w1 = s.export_state()["a.weight"]
+    torch.testing.assert_close(w1[3], 0.9 * w0[3] - 0.5 * 2 * torch.ones(2))
+    assert torch.equal(w1[[0, 1, 2, 4]], w0[[0, 1, 2, 4]])  # rows not read keep their weights
+
+
 def test_rowwise_adagrad_known_values():
     # One row, dim 2: g = [3, 4]; mean(g^2) = 12.5; acc = 12.5; w -= 0.5 * g / sqrt(12.5)
     w = torch.tensor([[1.0, 1.0], [0.0, 0.0]])

@@ -49,6 +49,11 @@ class SparseOptimizerConfig(BaseModel):
     """Adam's first-moment decay."""
     beta2: float = Field(default=0.999, ge=0, lt=1)
     """Adam's second-moment decay."""
+    weight_decay: float = Field(default=0.0, ge=0, lt=1)
+    """Decoupled weight decay of the rows a training batch touches (0: none): each such row
+    shrinks by a factor (1 - weight_decay) before its update, so frequent ids are pulled
+    toward zero more often than rare ones (fbgemm's ``WeightDecayMode.DECOUPLE`` with
+    lr x decay = ``weight_decay``, applied by the shard for every kernel and optimizer)."""
 
 
 def state_shapes(kind: SparseOptimizerKind, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
