@@ -62,7 +62,12 @@ class TrainState:
     """What runs with other numbers of trainers read of the current epoch (elastic restarts)."""
     block_bytes: int = 0
     """The block grid the positions refer to (``data.block_bytes`` of the run; 0: unknown)."""
-    """What runs with other numbers of trainers read of the current epoch (elastic restarts)."""
+    best: dict | None = None
+    """The best validation evaluation so far: step, samples, figures, checkpoint name."""
+    evals_since_best: int = 0
+    """Validation evaluations since the best (early stopping's patience count)."""
+    stopped_early: int | None = None
+    """The step at which early stopping ended training (None: it did not)."""
     train_seconds: float = 0.0
     data_wait_seconds: float = 0.0
     history: list[dict] = field(default_factory=list)
@@ -84,6 +89,9 @@ class TrainState:
             "parse_seconds": self.parse_seconds,
             "consumed": self.consumed.to_dict() if self.consumed is not None else None,
             "block_bytes": self.block_bytes,
+            "best": self.best,
+            "evals_since_best": self.evals_since_best,
+            "stopped_early": self.stopped_early,
         }
 
     @classmethod
@@ -101,6 +109,9 @@ class TrainState:
             parse_seconds=t["parse_seconds"],
             consumed=Consumed.from_dict(t["consumed"]) if t.get("consumed") else None,
             block_bytes=t.get("block_bytes", 0),
+            best=t.get("best"),
+            evals_since_best=t.get("evals_since_best", 0),
+            stopped_early=t.get("stopped_early"),
         )
 
 
@@ -331,6 +342,31 @@ class TrainerCheckpoints:
             self._finalizer.check()
 
 
+def checkpoint_with(trainer, steps, kind: str = "full", wait: bool = True) -> Path | None:
+    """Fold the loaders' counters of ``steps`` (the training ``Steps``) into the state, gather
+    every trainer's positions, checkpoint; every trainer calls it at the same step. Returns the
+    checkpoint when ``wait``."""
+    s = trainer.state
+    s.bad_lines = steps.shares[0].loader.bad_lines.state()
+    rows = sum(share.loader.stats.rows for share in steps.shares)
+    seconds = sum(share.loader.stats.parse_seconds for share in steps.shares)
+    rows0, secs0 = trainer._parse_base
+    s.parse_rows += rows - rows0
+    s.parse_seconds += seconds - secs0
+    trainer._parse_base = (rows, seconds)
+    mine = s.positions
+    if trainer.trainers > 1:  # the checkpoint holds every trainer's positions, in rank order
+        parts: list = [None] * trainer.trainers
+        dist.all_gather_object(
+            parts, [p.to_dict() for p in mine], group=trainer.cluster.trainer_cpu_group
+        )
+        s.positions = [Position(**p) for part in parts for p in part]
+    try:
+        return trainer.save_checkpoint(kind, wait)
+    finally:
+        s.positions = mine
+
+
 def save_checkpoint(trainer: Checkpointed, kind: str = "full", wait: bool = True) -> Path | None:
     """Every trainer calls this at the same step (see :meth:`TrainerCheckpoints.cut`)."""
     return trainer.checkpoints.cut(kind, wait)
@@ -368,6 +404,16 @@ def load_checkpoint(trainer: Checkpointed, path: Path) -> TrainState:
         elastic,
     )
     return state
+
+
+def restore_weights(trainer: Checkpointed, path: Path) -> None:
+    """Bring the model of checkpoint ``path`` back into the running job (every trainer calls
+    it): the tables wherever they live, the dense model, both optimizers' state. The run's own
+    state (steps, samples, history) stays as it is."""
+    trainer.client.rollback(path)
+    trainer.model.load_state_dict(load_file(path, "dense.pt"))
+    trainer.optimizer.load_state_dict(load_file(path, "optimizer.pt"))
+    log.info("restored the best model, %s", path.name)
 
 
 def fault_report(

@@ -90,8 +90,11 @@ def run_train(args: argparse.Namespace) -> int:
     # columns are there (bad flags, configs and files are refused in a fraction of a second).
     check_files(args.train, "training")
     check_files(args.test, "test")
+    valid = [Path(f) for f in cfg.train.valid_files]
+    if valid:
+        check_files(valid, "validation")
     cfg = prepare_config(cfg, args.train)
-    InputReader(cfg.feature_spec(), list(args.train) + list(args.test)).check()
+    InputReader(cfg.feature_spec(), [*args.train, *valid, *args.test]).check()
     from dense_trainer.report import format_metrics
     from dense_trainer.train import Trainer, prepare_out_dir
 

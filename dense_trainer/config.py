@@ -62,16 +62,32 @@ class ModelConfig(Section):
 class TrainConfig(Section):
     """The training loop."""
 
-    epochs: int = flag(1, "--epochs", ge=1)
-    """Passes over the training files."""
+    epochs: int = flag(3, "--epochs", ge=1)
+    """Passes over the training files, at most: early stopping may end sooner, and the model
+    kept is the best by validation (3: on every generated data set of bench/epochs.py the best
+    came at the end of epoch 2)."""
     batch_size: int = flag(512, "--batch-size", ge=1)
     """Examples per step (512: the best one-epoch AUC in bench/quality.py; 2048 is faster)."""
     eval_batch_size: int = Field(default=16384, ge=1)
     """Examples per evaluation forward pass."""
+    validation: float = flag(0.05, "--validation", ge=0, lt=1)
+    """Share of the training rows held out for validation, chosen by a hash of file and line
+    (every trainer and every rerun agrees; ``dense_trainer/data/split.py``). Evaluations during
+    training read only these rows; the test files are scored once, at the end, on the model
+    kept. 0: none (no evaluation before the end, no early stopping). Unused with ``--valid``."""
+    valid_files: list[str] = flag([], "--valid")
+    """Validation files, instead of a share of the training rows (which are then all trained on)."""
     eval_every_steps: int = Field(default=0, ge=0)
-    """Evaluate on the test set every this many steps (0: only at the end of each epoch)."""
+    """Evaluate on the validation rows every this many steps (0: at the end of each epoch only)."""
     eval_max_rows: int = Field(default=200_000, ge=0)
-    """Rows of the test set used by periodic evaluations (0: all); the final one uses all."""
+    """Validation rows read by each evaluation (0: all of them)."""
+    patience: int = flag(2, "--patience", ge=0)
+    """Stop after this many evaluations in a row without a better validation log loss (Keras's
+    ``EarlyStopping(patience)``); 0: train every epoch."""
+    keep_best: bool = True
+    """End with the model of the best validation log loss (CatBoost's ``use_best_model``): it is
+    restored before the test set is scored, and the run's last checkpoint, which ``dlrm
+    publish`` publishes, holds it. False: the last model."""
     checkpoint_every_steps: int = Field(default=1000, ge=0)
     """Write a full checkpoint every this many steps (0: only at the end). Checkpoints are written
     in the background while training goes on; one due while the previous is still being written

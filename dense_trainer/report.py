@@ -1,6 +1,7 @@
 """The run's report: ``metrics.json``, ``curves.png`` and the table ``dlrm train`` prints.
 
-``metrics.json`` holds the final test AUC and log loss (exact, over the whole test set), the
+``metrics.json`` holds the test AUC and log loss (exact, over the whole test set, scored once on
+the model the run keeps), the validation figures of that model and where it was found, the
 Bayes-optimal scores when the test file came from ``dlrm data synth``, throughput, the share of
 time spent waiting for data, parse throughput, peak RSS, the evaluation history and the config;
 distributed runs add all-to-all bytes per sample against the analytical minimum and the step's
@@ -36,9 +37,10 @@ def write_metrics(
     s = trainer.state
     bayes = bayes_beside(test_files)
     metrics: dict[str, Any] = {
-        "test_auc": final["test_auc"],
-        "test_logloss": final["test_logloss"],
-        "test_rows": final["test_rows"],
+        "test_auc": final.get("test_auc"),
+        "test_logloss": final.get("test_logloss"),
+        "test_rows": final.get("test_rows"),
+        **validation_metrics(trainer),
         "train_samples_per_s": s.samples_seen / s.train_seconds if s.train_seconds else math.nan,
         "samples_seen": s.samples_seen,
         "steps": s.step,
@@ -93,10 +95,12 @@ def write_metrics(
     if not trainer.is_master:
         return metrics
     (trainer.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    title = (
-        f"{trainer.cfg.model.kind}/{trainer.cfg.model.interaction}: test AUC "
-        f"{final['test_auc']:.4f}"
+    score = (
+        f"test AUC {final['test_auc']:.4f}"
+        if final
+        else f"validation AUC {metrics.get('valid_auc') or math.nan:.4f}"
     )
+    title = f"{trainer.cfg.model.kind}/{trainer.cfg.model.interaction}: {score}"
     plot_curves(s.history, trainer.out_dir / "curves.png", title, metrics["bayes_auc"])
     return metrics
 
@@ -176,11 +180,47 @@ def bayes_beside(test_files: list[Path]) -> dict | None:
         return None
 
 
+def validation_metrics(trainer) -> dict[str, Any]:
+    """The validation figures of the model kept, and where in the run it was found."""
+    s, held = trainer.state, trainer.validation
+    if held is None:
+        return {"validation": None}
+    evals = [h for h in s.history if "valid_logloss" in h]
+    kept = (
+        s.best if trainer.cfg.train.keep_best and s.best is not None else evals[-1] if evals else {}
+    )
+    return {
+        "valid_auc": kept.get("valid_auc"),
+        "valid_logloss": kept.get("valid_logloss"),
+        "valid_rows": kept.get("valid_rows"),
+        "validation": {
+            "files": [str(f) for f in held.files],
+            "share": held.split.fraction if held.split is not None else None,
+            "evaluations": len(evals),
+            "kept_step": kept.get("step"),
+            "kept_samples": kept.get("samples"),
+            "best_step": s.best["step"] if s.best else None,
+            "stopped_early_at_step": s.stopped_early,
+        },
+    }
+
+
 def format_metrics(m: dict) -> str:
-    rows = [
-        ("test AUC", f"{m['test_auc']:.4f}"),
-        ("test log loss", f"{m['test_logloss']:.4f}"),
-    ]
+    rows = []
+    if m.get("test_auc") is not None:
+        rows += [
+            ("test AUC", f"{m['test_auc']:.4f}"),
+            ("test log loss", f"{m['test_logloss']:.4f}"),
+        ]
+    if m.get("valid_auc") is not None:
+        v = m["validation"]
+        rows += [
+            ("validation AUC (model kept)", f"{m['valid_auc']:.4f}"),
+            ("validation log loss", f"{m['valid_logloss']:.4f}"),
+            ("model kept: step", f"{v['kept_step']:,} of {m['steps']:,}"),
+        ]
+        if v["stopped_early_at_step"] is not None:
+            rows.append(("stopped early at step", f"{v['stopped_early_at_step']:,}"))
     if m.get("bayes_auc") is not None:
         rows += [
             ("Bayes-optimal AUC", f"{m['bayes_auc']:.4f}"),

@@ -26,9 +26,11 @@ import torch.distributed as dist
 import torch.nn.functional as nnf
 from torch.nn.parallel import DistributedDataParallel
 
+from dense_trainer.best_model import BestModel
 from dense_trainer.checkpointing import (
     TrainerCheckpoints,
     TrainState,
+    checkpoint_with,
     fault_report,
     load_checkpoint,
     save_checkpoint,
@@ -36,8 +38,15 @@ from dense_trainer.checkpointing import (
 from dense_trainer.config import Config, prepare_config
 from dense_trainer.data.elastic import Consumed
 from dense_trainer.data.loader import BatchLoader
+from dense_trainer.data.split import RowSplit
 from dense_trainer.data.steps import Step, Steps, partial_step, resume_positions
-from dense_trainer.evaluation import evaluate, evaluate_into_history, evaluation_due
+from dense_trainer.evaluation import (
+    HeldOut,
+    evaluate_into_history,
+    evaluation_due,
+    training_split,
+    validation_of,
+)
 from dense_trainer.model import build_dense_model
 from dense_trainer.report import RunningLoss, write_metrics
 from dense_trainer.stopping import stop_cluster, stop_signals
@@ -148,6 +157,8 @@ class Trainer:
         }
         self.step_losses: list[float] = []
         self.checkpoints = TrainerCheckpoints(self)  # when to cut; writing and finishing them
+        self.best = BestModel(self)  # early stopping and the model the run ends with
+        self.validation: HeldOut | None = None  # set by fit
         self.resumed: dict | None = None  # the fault this run resumed from (OUT/last-fault.json)
 
     # -- one step -------------------------------------------------------------------------------
@@ -211,10 +222,6 @@ class Trainer:
         self.model.eval()
         return self.forward(batch)
 
-    def evaluate(self, files: list[Path], max_rows: int = 0) -> dict[str, float]:
-        """Exact AUC and log loss over ``files`` (``dense_trainer/evaluation.py``)."""
-        return evaluate(self, files, max_rows)
-
     def steps_of(
         self,
         files,
@@ -223,6 +230,7 @@ class Trainer:
         starts: list[Position] | None = None,
         max_rows: int = 0,
         consumed: Consumed | None = None,
+        split: RowSplit | None = None,
     ) -> Steps:
         """This process's shares of ``files`` as agreed steps: trainer r of T reads blocks r mod T
         (a single process with ``data.interleave = k`` reads all k shares, as k trainers would)."""
@@ -251,6 +259,7 @@ class Trainer:
                 part=t,
                 parts=parts,
                 consumed=consumed,
+                split=split,
             )
             for t in mine
         ]
@@ -317,7 +326,9 @@ class Trainer:
             The metrics written to ``out_dir/metrics.json``.
         """
         check_files(train_files, "training")
-        check_files(test_files, "test")
+        if test_files:  # none: the run is scored on its validation rows only (dlrm tune)
+            check_files(test_files, "test")
+        self.validation = validation_of(self.cfg, train_files)
         self._prepare(train_files, test_files)
         prepare_out_dir(self.out_dir)
         if resume:
@@ -333,21 +344,26 @@ class Trainer:
             self.cfg.train.epochs,
             self.state.positions,
             consumed=self.state.consumed,
+            split=training_split(self.cfg),
         )
         steps.shares[0].loader.bad_lines.restore(self.state.bad_lines)
         self._parse_base = (0, 0.0)  # loader counters already folded into the state
         try:
             with stop_signals(self):
-                finished = self._train_epochs(steps, test_files, on_step)
+                finished = self._train_epochs(steps, on_step)
+                if not self._stopped:
+                    self.best.validate(steps)  # the end of the last epoch (or of max_steps)
         finally:
             steps.close()
             if self.live is not None:
                 self.live.close()
         if summary := steps.shares[0].loader.bad_lines.summary():
             log.warning(summary)
-        self._checkpoint_with(steps)
+        restore = not self._stopped and self.best.restore_due
+        if not restore:
+            checkpoint_with(self, steps)
         self.checkpoints.close()
-        if self._stop_signal is not None or self._peer_stopped:
+        if self._stopped:
             stop_cluster(self)
             raise KeyboardInterrupt(
                 f"stopped by {signal.Signals(self._stop_signal or signal.SIGTERM).name} at step "
@@ -358,15 +374,22 @@ class Trainer:
             raise DataError(
                 f"no valid rows in the training data ({', '.join(map(str, train_files))})"
             )
-        final = evaluate_into_history(self, test_files, final=True)
+        if restore:
+            self.best.restore()  # after the last evaluation: nothing is being written now
+        test = HeldOut("test", list(test_files))
+        final = evaluate_into_history(self, test, final=True) if test_files else {}
         cluster_stats = stop_cluster(self)
         return write_metrics(self, final, train_files, test_files, finished, cluster_stats)
 
-    def _train_epochs(
-        self, steps: Steps, test_files: list[Path], on_step: Callable[[int, float], None] | None
-    ) -> bool:
-        """Take the agreed steps; True when every epoch ran to its end. The next step is agreed
-        on before this one runs, so that its ids can travel meanwhile (``dist.pipeline``)."""
+    @property
+    def _stopped(self) -> bool:
+        """Stopped by a signal (here or on another trainer): a checkpoint to resume from."""
+        return self._stop_signal is not None or self._peer_stopped
+
+    def _train_epochs(self, steps: Steps, on_step: Callable[[int, float], None] | None) -> bool:
+        """Take the agreed steps; True when training ran to its end (every epoch, or early
+        stopping). The next step is agreed on before this one runs, so that its ids can travel
+        meanwhile (``dist.pipeline``)."""
         cfg, s = self.cfg.train, self.state
         epoch = s.position.epoch
         running = RunningLoss(self, s.samples_seen)
@@ -380,7 +403,8 @@ class Trainer:
                 if cfg.max_steps and s.step >= cfg.max_steps:
                     return False
                 if cur.epoch != epoch:  # the previous epoch ended
-                    evaluate_into_history(self, test_files, final=False)
+                    if self.best.validate(steps):
+                        return True
                     epoch = cur.epoch
                 s.data_wait_seconds += time.perf_counter() - t_last  # time the data kept us waiting
                 nxt = steps.next(self._stop_signal is not None)
@@ -401,10 +425,10 @@ class Trainer:
                 running.add(loss, cur.global_rows, epoch)
                 if on_step is not None:
                     on_step(s.step, float(loss))
-                if evaluation_due(self):
-                    evaluate_into_history(self, test_files, final=False)
+                if evaluation_due(self) and self.best.validate(steps):
+                    return True
                 if kind:  # in the background: training goes on
-                    self._checkpoint_with(steps, kind, wait=False)
+                    checkpoint_with(self, steps, kind, wait=False)
                 t_last = time.perf_counter()
                 cur = nxt
             return True
@@ -437,10 +461,10 @@ class Trainer:
         cfg = prepare_config(self.cfg, train_files)
         if cfg is not self.cfg:
             self.cfg, self.spec = cfg, cfg.feature_spec()
-        InputReader(self.spec, list(train_files) + list(test_files)).check()
+        valid = self.validation.files if self.validation and not self.validation.split else []
+        InputReader(self.spec, [*train_files, *valid, *test_files]).check()
 
-    # -- checkpoints and stopping
-    # -------------------------------------------------------------------
+    # -- checkpoints and stopping ------------------------------------------------------------------
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -471,27 +495,3 @@ class Trainer:
                 self.resumed = fault_report(self, self.state, ckpt) or {
                     "resumed_step": self.state.step
                 }
-
-    def _checkpoint_with(self, steps: Steps, kind: str = "full", wait: bool = True) -> None:
-        """Fold the loaders' counters into the state, gather every trainer's positions,
-        checkpoint."""
-        s = self.state
-        loader = steps.shares[0].loader
-        s.bad_lines = loader.bad_lines.state()
-        rows = sum(share.loader.stats.rows for share in steps.shares)
-        seconds = sum(share.loader.stats.parse_seconds for share in steps.shares)
-        rows0, secs0 = self._parse_base
-        s.parse_rows += rows - rows0
-        s.parse_seconds += seconds - secs0
-        self._parse_base = (rows, seconds)
-        mine = s.positions
-        if self.trainers > 1:  # the checkpoint holds every trainer's positions, in rank order
-            parts: list = [None] * self.trainers
-            dist.all_gather_object(
-                parts, [p.to_dict() for p in mine], group=self.cluster.trainer_cpu_group
-            )
-            s.positions = [Position(**p) for part in parts for p in part]
-        try:
-            self.save_checkpoint(kind, wait)
-        finally:
-            s.positions = mine

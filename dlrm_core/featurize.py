@@ -84,6 +84,20 @@ class ParsedBlock:
         np.cumsum(self.lengths.reshape(-1), out=offsets[1:])
         return self.dense, ids, offsets
 
+    def select(self, keep: np.ndarray) -> ParsedBlock:
+        """The rows where ``keep`` (bool [n]) holds, in order; the bad lines stay as they are."""
+        if keep.all():
+            return self
+        values = lengths = ids = None
+        if self.ids is not None:
+            ids = self.ids[:, keep]  # [F, n']
+        else:
+            values = [v[np.repeat(keep, self.lengths[f])] for f, v in enumerate(self.values)]
+            lengths = self.lengths[:, keep]  # [F, n']
+        return ParsedBlock(
+            self.labels[keep], self.dense[keep], ids, values, lengths, self.lines[keep], self.bad
+        )
+
 
 def _bags(values: pa.Array, sep: str | None) -> tuple[pa.Array, np.ndarray, np.ndarray]:
     """A multi-hot column -> (the non-empty values, flattened; the row of each; bag lengths [n])."""
@@ -103,8 +117,7 @@ def _bags(values: pa.Array, sep: str | None) -> tuple[pa.Array, np.ndarray, np.n
     return flat, rows, np.bincount(rows, minlength=n).astype(np.int32)
 
 
-# -- dense values
-# -----------------------------------------------------------------------------------------
+# -- dense values ----------------------------------------------------------------------------------
 
 
 def parse_numbers(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -181,8 +194,7 @@ def parse_labels(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return np.where(ok, x, 0).astype(np.float32), ok
 
 
-# -- a block
-# -----------------------------------------------------------------------------------------------
+# -- a block ---------------------------------------------------------------------------------------
 
 
 class Featurizer:

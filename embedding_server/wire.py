@@ -180,6 +180,7 @@ class Command(IntEnum):
     CHECKPOINT = 3
     STOP = 4
     LIVE_START = 5
+    RESTORE = 6
 
 
 EXCHANGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

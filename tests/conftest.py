@@ -67,6 +67,7 @@ def trained_criteo(tmp_path_factory, criteo_sample) -> Path:
 
 
 def tiny_config(**overrides) -> Config:
-    """configs/tiny.toml with nested-dict overrides; no progress bar, 1 parse worker."""
-    base = [{"train": {"progress": False}, "data": {"num_workers": 1}}]
+    """configs/tiny.toml with nested-dict overrides; no progress bar, 1 parse worker, and no
+    validation split (the tests count every row; tests/test_validation.py turns it on)."""
+    base = [{"train": {"progress": False, "validation": 0.0}, "data": {"num_workers": 1}}]
     return load_config(REPO / "configs" / "tiny.toml", base + [overrides] if overrides else base)

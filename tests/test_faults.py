@@ -200,6 +200,8 @@ def train_args(data: Path, out: Path) -> list:
         f"dist.timeout_s={TIMEOUT_S}",
         "--set",
         f"data.block_bytes={BLOCK_BYTES}",
+        "--validation",
+        "0",  # every row trained on, every epoch: the tests count rows and deltas
     ]
 
 
@@ -244,6 +246,8 @@ def test_incremental_checkpoints_bound_the_updates_a_killed_server_loses(synth_s
         f"dist.timeout_s={TIMEOUT_S}",
         "--epochs",
         EPOCHS,
+        "--validation",
+        "0",  # no best-model checkpoints: only the deltas under test
     ]
     proc = subprocess.Popen(
         [*DLRM, *map(str, args)],

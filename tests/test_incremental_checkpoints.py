@@ -123,7 +123,13 @@ def test_default_model_checkpoint_is_sized_by_trained_rows_and_resumes_exactly(
         None,
         [
             {
-                "train": {"progress": False, "log_step_losses": True, "checkpoint_every_steps": 49},
+                "train": {
+                    "progress": False,
+                    "log_step_losses": True,
+                    "checkpoint_every_steps": 49,
+                    "epochs": 1,  # the 98 steps below
+                    "validation": 0.0,
+                },
                 "data": {"num_workers": 1},
             }
         ],

@@ -33,6 +33,8 @@ TINY = {
         "progress": False,
         "eval_every_steps": 0,
         "checkpoint_every_steps": 0,
+        "validation": 0.0,  # every row trained on, once: the tests count them
+        "epochs": 1,
     },
     "data": {"num_workers": 1},
 }
@@ -200,7 +202,8 @@ def test_distributed_and_towers_match_one_process_on_a_csv_schema(table, tmp_pat
 def test_parquet_and_csv_train_identically(tmp_path):
     for fmt in ("csv", "parquet"):
         synthesize_table(tmp_path / fmt, train_rows=3000, test_rows=1000, seed=5, format=fmt)
-    over = {"train": {"log_step_losses": True, "max_steps": 10}}
+    # The validation split picks the same rows of the table in either format.
+    over = {"train": {"log_step_losses": True, "max_steps": 10, "validation": 0.1}}
     runs = {}
     for fmt, ext in (("csv", "csv"), ("parquet", "parquet")):
         d = tmp_path / fmt
@@ -209,6 +212,7 @@ def test_parquet_and_csv_train_identically(tmp_path):
         )
     assert runs["csv"]["step_losses"] == runs["parquet"]["step_losses"]
     assert runs["csv"]["test_auc"] == runs["parquet"]["test_auc"]
+    assert runs["csv"]["valid_auc"] == runs["parquet"]["valid_auc"]
 
 
 @pytest.mark.parametrize("keep", ["dense", "categorical"])

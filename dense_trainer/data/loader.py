@@ -20,13 +20,14 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dense_trainer.data.elastic import Consumed
+from dense_trainer.data.split import RowSplit
 from dlrm_core.batch import Batch, Position, SparseFeatures
 from dlrm_core.errors import DataError
 from dlrm_core.featurize import BadLine, ParsedBlock
@@ -87,6 +88,8 @@ class BatchLoader:
             unparsed.
         consumed: rows earlier runs with other numbers of trainers read (an elastic restart):
             skipped.
+        split: keep only one side of the validation split (``data/split.py``; None: every
+            row). Positions and ``max_rows`` count the rows kept.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class BatchLoader:
         part: int = 0,
         parts: int = 1,
         consumed: Consumed | None = None,
+        split: RowSplit | None = None,
     ) -> None:
         self.files = [Path(f) for f in files]
         self.spec = spec
@@ -118,6 +122,7 @@ class BatchLoader:
         self.pin_memory = pin_memory
         self.part, self.parts = part, parts
         self.consumed = consumed
+        self.split = split
         self.bad_lines = BadLineLog(strict)
         self.stats = LoaderStats()
         self._reader = InputReader(spec, self.files)
@@ -221,6 +226,12 @@ class BatchLoader:
         self.stats.rows += parsed.num_rows
         self.stats.bytes += nbytes
         self.stats.parse_seconds += seconds
+        self._check_schema(parsed)  # on all of the block's rows, before a split keeps some
+        if self.split is not None:
+            rows = self._reader.row_numbers(fi, parsed.lines)
+            parsed = parsed.select(self.split.keep(fi, rows))
+            if not self.split.reports_bad_lines:
+                parsed = replace(parsed, bad=[])
         block = _Block(parsed, fi, offset, line, number)
         if parsed.values is not None:
             block.cum = np.zeros((len(parsed.values), parsed.num_rows + 1), dtype=np.int64)
@@ -247,7 +258,6 @@ class BatchLoader:
             have = 0
             resuming = epoch == self.start.epoch and self.start != Position(epoch=epoch)
             for block in self._parsed_blocks(pool, epoch):
-                self._check_schema(block)
                 if resuming:  # rows (and bad lines) of this block before the position were consumed
                     block.cursor = min(self.start.rows_into_block, block.parsed.num_rows)
                     block.bad_reported = True
@@ -299,14 +309,13 @@ class BatchLoader:
         )
         return self._to_batch(parts, position), bad
 
-    def _check_schema(self, block: _Block) -> None:
+    def _check_schema(self, parsed: ParsedBlock) -> None:
         """A first block that is mostly malformed means the schema does not fit the data (a
         label that is not 0/1, a wrong column): stop at once, naming the first bad line, rather
         than skip every line."""
         if self._checked:
             return
         self._checked = True
-        parsed = block.parsed
         total = parsed.num_rows + len(parsed.bad)
         if total >= 20 and len(parsed.bad) > 0.5 * total:
             b = parsed.bad[0]

@@ -85,6 +85,10 @@ class DelimitedFormat:
             return [c.strip() for c in next(csv.reader([text], delimiter=self.delimiter), [])]
         return [c.strip() for c in text.split(self.delimiter)]
 
+    def first_row_line(self, path: Path) -> int:
+        """The line number of the file's first data row (after its header, if any)."""
+        return 2 if self.has_header(path) else 1
+
     def has_header(self, path: Path) -> bool:
         """Whether the file starts with a header line. With ``header`` set, a file whose first line
         is not a header of the known columns (``spec.columns``, e.g. the first training file's)

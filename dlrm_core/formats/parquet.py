@@ -63,6 +63,10 @@ class ParquetFormat:
     def __init__(self, spec: FeatureSpec) -> None:
         self.spec = spec
 
+    def first_row_line(self, path: Path) -> int:
+        """The row number of the file's first row (rows count from 1, as lines do)."""
+        return 1
+
     def column_names(self, path: Path) -> list[str]:
         return list(_open(path).schema_arrow.names)
 

@@ -32,6 +32,8 @@ from dlrm_core.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+BEST = "best"
+"""Names the checkpoint of the best validation log loss (``train.keep_best``): pruning keeps it."""
 RECORD_PREFIX = "writer-"
 _CHUNK = 8 << 20
 
@@ -215,6 +217,8 @@ def prune(root: Path, keep: int, latest: Path) -> None:
     partial directories older than ``latest`` (abandoned)."""
     root = Path(root)
     needed = {p.name for p in checkpoint_chain(latest)}
+    if (best := _pointed(root, BEST)) is not None:
+        needed.update(p.name for p in checkpoint_chain(best))
     older_full = [
         p
         for p in sorted(root.glob("step-*"), reverse=True)
@@ -261,6 +265,31 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return finalize_checkpoint(root, step, meta, keep, files=entries)
+
+
+def mark_best(root: Path, path: Path) -> None:
+    """Name ``path`` the run's best checkpoint (kept by :func:`prune` from now on)."""
+    atomic_write_bytes(Path(root) / BEST, Path(path).name.encode())
+
+
+def make_latest(root: Path, path: Path) -> None:
+    """Make the earlier checkpoint ``path`` the run's last: ``latest`` points to it (what a
+    resume restores and ``dlrm publish`` publishes) and the checkpoints after it are removed."""
+    root, path = Path(root), Path(path)
+    read_manifest(path)  # it must be complete
+    atomic_write_bytes(root / LATEST, path.name.encode())
+    for later in root.glob("step-*"):
+        if later.name > path.name:
+            shutil.rmtree(later, ignore_errors=True)
+
+
+def _pointed(root: Path, pointer: str) -> Path | None:
+    """The checkpoint a pointer file names, if it names a complete one."""
+    file = Path(root) / pointer
+    if not file.exists():
+        return None
+    path = Path(root) / file.read_text().strip()
+    return path if (path / MANIFEST).exists() else None
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -54,6 +54,11 @@ class EmbeddingClient(ABC):
     def restore(self, checkpoint: Path) -> None:
         """Load the tables from a checkpoint written with any sharding."""
 
+    def rollback(self, checkpoint: Path) -> None:
+        """Load the tables of an earlier checkpoint of this job while it runs (every trainer
+        calls it; the best model at the end of a run): here, the same as :meth:`restore`."""
+        self.restore(checkpoint)
+
     @abstractmethod
     def live_start(self, publish: Callable[[], str] | None) -> str:
         """Start live updates: ``publish()`` (on the master) publishes the live version; returns its

@@ -329,8 +329,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
         """Whether lookups can be sent ahead (point-to-point transport)."""
         return self.transport.pipelined
 
-    # -- messages
-    # -------------------------------------------------------------------------------------
+    # -- messages ----------------------------------------------------------------------------------
 
     def _route(self, sparse: SparseFeatures) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each feature's bags to the servers holding its table's pieces: (payload per server,
@@ -465,6 +464,14 @@ class DistributedEmbeddingClient(EmbeddingClient):
 
     def restore(self, checkpoint: Path) -> None:
         """Servers restore their own pieces when they start (see ``EmbeddingServer.restore``)."""
+
+    def rollback(self, checkpoint: Path) -> None:
+        """Every trainer calls this: every server loads its pieces of ``checkpoint`` (an earlier
+        checkpoint of this job, named by the master) and they all meet once it is done."""
+        self._command(Command.RESTORE)
+        holder = [Path(checkpoint).name if self.cluster.is_master else None]
+        dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
+        dist.barrier(group=self.cluster.slow_group)
 
     def live_start(self, publish: Callable[[], str] | None) -> str:
         """Every trainer calls this: the master's ``publish()`` makes the live version, whose name

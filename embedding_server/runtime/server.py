@@ -167,6 +167,7 @@ class EmbeddingServer:
         self.shards = [self._chunk_shard(a, b, embedding, seed) for a, b in self.chunks]
         self.shard = ShardSet(self.shards) if self.shards else None
         self.width = sum(p.dim for _, p in self.slots)
+        self.checkpoint_root = Path(checkpoint_root)
         self.checkpoints = ServerCheckpoints(checkpoint_root, self.index, writer)
         self.wire_dtype = EXCHANGE_DTYPES[dist.exchange_dtype]
         self.timings = {"lookup_s": 0.0, "update_s": 0.0, "wait_s": 0.0}
@@ -263,6 +264,11 @@ class EmbeddingServer:
                 holder = [None]  # the version the master publishes now (it may take minutes)
                 dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
                 self.start_live(holder[0])
+            elif command == Command.RESTORE:  # an earlier checkpoint, named by the master
+                holder = [None]
+                dist.broadcast_object_list(holder, src=0, group=self.cluster.slow_group)
+                self.restore(self.checkpoint_root / holder[0])
+                dist.barrier(group=self.cluster.slow_group)
             elif command == Command.CHECKPOINT:  # the master's message carries the cut
                 cut = CutRequest.from_message(messages[0][1], messages[0][3].tolist())
                 if not cut.taken:
