@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_train_parser,
         add_worker_parser,
     )
+    from dense_trainer.tune import add_tune_parser
     from embedding_server.cli import add_publish_parser, add_store_parser
 
     parser = argparse.ArgumentParser(
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_parser(sub)
+    add_tune_parser(sub)
     add_worker_parser(sub)
     add_plan_parser(sub)
     add_plan_towers_parser(sub)
