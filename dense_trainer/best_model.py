@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 from dense_trainer.checkpointing import checkpoint_with, restore_weights
 from dense_trainer.evaluation import evaluate_into_history
@@ -44,12 +43,11 @@ class BestModel:
         done = [h for h in t.state.history if "valid_logloss" in h]
         if t.validation is None or t.state.step == 0 or (done and done[-1]["step"] == t.state.step):
             return False
-        result = evaluate_into_history(t, t.validation, final=False)
-        return self.after_evaluation(result, lambda: checkpoint_with(t, steps))
+        return self.after_evaluation(evaluate_into_history(t, t.validation, final=False), steps)
 
-    def after_evaluation(self, result: dict[str, float], cut: Callable[[], Path | None]) -> bool:
-        """Record a validation ``result``; ``cut()`` writes a full checkpoint of this step and
-        returns it. Returns True when training should stop (the patience is spent)."""
+    def after_evaluation(self, result: dict[str, float], steps) -> bool:
+        """Record a validation ``result`` (a new best is checkpointed with ``steps``' positions).
+        Returns True when training should stop (the patience is spent)."""
         t = self.trainer
         s, cfg = t.state, t.cfg.train
         loss = result["valid_logloss"]
@@ -57,8 +55,7 @@ class BestModel:
             s.best = {"step": s.step, "samples": s.samples_seen, **result}
             s.evals_since_best = 0
             if cfg.keep_best:
-                s.best["checkpoint"] = step_name(s.step)
-                path = cut()
+                path = checkpoint_with(t, steps)
                 if t.is_master and path is not None:
                     mark_best(t.checkpoint_dir, path)
         else:
@@ -89,7 +86,7 @@ class BestModel:
         """Every trainer calls this once nothing is being written: the best model back, and its
         checkpoint made the run's last."""
         t = self.trainer
-        path = t.checkpoint_dir / t.state.best["checkpoint"]
+        path = t.checkpoint_dir / step_name(t.state.best["step"])
         restore_weights(t, path)
         if t.is_master:  # the others go on to the test set meanwhile: only the master writes here
             make_latest(t.checkpoint_dir, path)

@@ -63,7 +63,7 @@ class TrainState:
     block_bytes: int = 0
     """The block grid the positions refer to (``data.block_bytes`` of the run; 0: unknown)."""
     best: dict | None = None
-    """The best validation evaluation so far: step, samples, figures, checkpoint name."""
+    """The best validation evaluation so far: step (its checkpoint's name), samples, figures."""
     evals_since_best: int = 0
     """Validation evaluations since the best (early stopping's patience count)."""
     stopped_early: int | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,10 +50,10 @@ def validation_of(cfg, train_files: list[Path]) -> HeldOut | None:
     return None
 
 
-def training_split(cfg) -> RowSplit | None:
+def training_split(validation: HeldOut | None) -> RowSplit | None:
     """The training side of the validation split (None: every training row is trained on)."""
-    t = cfg.train
-    return RowSplit(t.validation, "train") if t.validation > 0 and not t.valid_files else None
+    split = validation.split if validation is not None else None
+    return replace(split, side="train") if split is not None else None
 
 
 def evaluate(trainer, held: HeldOut, max_rows: int = 0) -> dict[str, float]:

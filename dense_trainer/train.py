@@ -344,7 +344,7 @@ class Trainer:
             self.cfg.train.epochs,
             self.state.positions,
             consumed=self.state.consumed,
-            split=training_split(self.cfg),
+            split=training_split(self.validation),
         )
         steps.shares[0].loader.bad_lines.restore(self.state.bad_lines)
         self._parse_base = (0, 0.0)  # loader counters already folded into the state

@@ -69,13 +69,6 @@ def suggest(trial) -> dict[str, Any]:
     }
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
-    return out
-
-
 def config_toml(cfg) -> str:
     """A config as TOML that ``load_config`` reads back to the same config."""
     return tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True))
@@ -97,14 +90,11 @@ class Search:
     def objective(self, trial) -> float:
         import optuna
 
-        from dense_trainer.config import Config
+        from dense_trainer.config import load_config
         from dense_trainer.train import Trainer
 
-        over = suggest(trial)
-        quiet = {"train": {"progress": False}}
-        cfg = Config.model_validate(
-            _merge(_merge(self.cfg.model_dump(mode="json", exclude_none=True), over), quiet)
-        )
+        base = self.cfg.model_dump(mode="json", exclude_none=True)
+        cfg = load_config(None, [base, suggest(trial), {"train": {"progress": False}}])
         run = self.out / "trials" / f"{trial.number:03d}"
         trainer = Trainer(cfg, run)
         pruned = []

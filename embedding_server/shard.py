@@ -202,12 +202,14 @@ class EmbeddingShard(nn.Module):
             sparse = self.id_maps.remap(sparse, train=training)
         if self.id_maps and training:
             self.trained_values = sparse.values  # the rows it trains (live updates mark them)
-        if training:  # its rows are updated on backward
-            for f, piece in enumerate(self.feature_map):
-                self.touched.mark(piece, sparse.feature_values(f)[0].cpu())
+        if not training:
+            return self._lookup(sparse)
+        read = [sparse.feature_values(f)[0] for f in range(len(self.feature_map))]  # each's rows
+        for piece, rows in zip(self.feature_map, read, strict=True):  # updated on backward
+            self.touched.mark(piece, rows.cpu())
         out = self._lookup(sparse)
-        if training and self.optimizer_config.weight_decay:
-            self._decay(sparse)  # after the lookup has read them, before backward updates them
+        if self.optimizer_config.weight_decay:
+            self._decay(read)  # after the lookup has read them, before backward updates them
         return out
 
     def _lookup(self, sparse: SparseFeatures) -> torch.Tensor:
@@ -224,14 +226,15 @@ class EmbeddingShard(nn.Module):
         return out if self._unpermute is None else out.index_select(1, self._unpermute)
 
     @torch.no_grad()
-    def _decay(self, sparse: SparseFeatures) -> None:
-        """Shrink the rows this training lookup reads by (1 - weight_decay), once per row and
-        step, before the backward updates them (the forward has used them already)."""
+    def _decay(self, read: list[torch.Tensor]) -> None:
+        """Shrink the rows this training lookup reads (``read``: each feature's rows) by
+        (1 - weight_decay), once per row and step, before the backward updates them (the
+        forward has used them already)."""
         keep = 1.0 - self.optimizer_config.weight_decay
         views = self._table_views()
         rows: dict[int, list[torch.Tensor]] = {}
-        for f, t in enumerate(self.feature_map):
-            rows.setdefault(t, []).append(sparse.feature_values(f)[0])
+        for t, values in zip(self.feature_map, read, strict=True):
+            rows.setdefault(t, []).append(values)
         for t, parts in rows.items():
             touched = torch.unique(torch.cat(parts))
             weight = views[t].data  # its own version counter: the kernel saved the weights

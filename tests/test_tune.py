@@ -19,8 +19,8 @@ pytest.importorskip("optuna")
 pytestmark = pytest.mark.slow
 
 
-def test_tune_writes_a_best_config_that_reproduces_its_trial(synth_small, tmp_path):
-    out = tmp_path / "tune"
+def tune(data, out, *flags: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``dlrm tune`` of configs/tiny.toml on ``data``'s training file into ``out``."""
     cmd = [
         sys.executable,
         str(REPO / "dlrm_cli.py"),
@@ -28,17 +28,18 @@ def test_tune_writes_a_best_config_that_reproduces_its_trial(synth_small, tmp_pa
         "--config",
         "configs/tiny.toml",
         "--train",
-        str(synth_small / "train.txt"),
+        str(data / "train.txt"),
         "--out",
         str(out),
-        "--trials",
-        "3",
-        "--set",
-        "train.max_steps=30",
-        "--set",
-        "train.eval_every_steps=10",
+        *flags,
     ]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_tune_writes_a_best_config_that_reproduces_its_trial(synth_small, tmp_path):
+    out = tmp_path / "tune"
+    limits = ["--set", "train.max_steps=30", "--set", "train.eval_every_steps=10"]
+    done = tune(synth_small, out, "--trials", "3", *limits)
     assert done.returncode == 0, done.stderr[-3000:]
     progress = [line for line in done.stdout.splitlines() if line.startswith("trial ")]
     assert len(progress) == 3 and all("valid AUC" in line for line in progress)
@@ -57,19 +58,6 @@ def test_tune_writes_a_best_config_that_reproduces_its_trial(synth_small, tmp_pa
 
 
 def test_tune_refuses_a_run_without_validation_rows(synth_small, tmp_path):
-    cmd = [
-        sys.executable,
-        str(REPO / "dlrm_cli.py"),
-        "tune",
-        "--config",
-        "configs/tiny.toml",
-        "--train",
-        str(synth_small / "train.txt"),
-        "--out",
-        str(tmp_path / "t"),
-        "--set",
-        "train.validation=0",
-    ]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = tune(synth_small, tmp_path / "t", "--set", "train.validation=0", timeout=120)
     assert done.returncode != 0 and "validation" in done.stderr
     assert "Traceback" not in done.stderr

@@ -30,9 +30,12 @@ def test_a_split_is_the_same_whatever_the_grid_the_trainers_and_the_run(synth_sm
     n_valid = sum(b.batch_size for b in valid)
     n_train = sum(b.batch_size for b in lines(RowSplit(0.1, "train")))
     assert n_valid + n_train == 20_000 and 1_700 < n_valid < 2_300  # about a tenth
-    keys = lambda batches: {  # noqa: E731
-        tuple(r) for b in batches for r in np.c_[b.labels.numpy(), b.dense.numpy()].tolist()
-    }
+
+    def keys(batches) -> set[tuple]:
+        return {
+            tuple(r) for b in batches for r in np.c_[b.labels.numpy(), b.dense.numpy()].tolist()
+        }
+
     same = keys(lines(held, block_bytes=1 << 13))  # another block grid
     parts = keys(lines(held, parts=2, part=0)) | keys(lines(held, parts=2, part=1))  # 2 trainers
     assert keys(valid) == same == parts

@@ -217,7 +217,7 @@ def prune(root: Path, keep: int, latest: Path) -> None:
     partial directories older than ``latest`` (abandoned)."""
     root = Path(root)
     needed = {p.name for p in checkpoint_chain(latest)}
-    if (best := _pointed(root, BEST)) is not None:
+    if (best := _named_by(root, BEST)) is not None and (best / MANIFEST).exists():
         needed.update(p.name for p in checkpoint_chain(best))
     older_full = [
         p
@@ -283,21 +283,18 @@ def make_latest(root: Path, path: Path) -> None:
             shutil.rmtree(later, ignore_errors=True)
 
 
-def _pointed(root: Path, pointer: str) -> Path | None:
-    """The checkpoint a pointer file names, if it names a complete one."""
+def _named_by(root: Path, pointer: str) -> Path | None:
+    """The checkpoint directory a pointer file (``latest``, ``best``) names; None without it."""
     file = Path(root) / pointer
-    if not file.exists():
-        return None
-    path = Path(root) / file.read_text().strip()
-    return path if (path / MANIFEST).exists() else None
+    return Path(root) / file.read_text().strip() if file.exists() else None
 
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The directory ``root/latest`` points to, or None when there is no checkpoint."""
-    pointer = Path(root) / LATEST
-    if not pointer.exists():
+    path = _named_by(root, LATEST)
+    if path is None:
         return None
-    path = Path(root) / pointer.read_text().strip()
+    pointer = Path(root) / LATEST
     if not (path / MANIFEST).exists():
         raise CheckpointError(f"{pointer} points to {path.name}, which has no {MANIFEST}")
     return path
