@@ -107,6 +107,7 @@ def ours_rank(
     from embedding_server.client.distributed import DistributedEmbeddingClient
     from embedding_server.planner import plan_sharding
     from embedding_server.runtime.cluster import Roles, join
+    from embedding_server.runtime.pipelining import pipelining
     from embedding_server.runtime.server import EmbeddingServer
     from embedding_server.runtime.transport import open_transport
     from embedding_server.wire import ids_dtype
@@ -130,7 +131,7 @@ def ours_rank(
             spec,
             1.0 / trainers,
             exchange,
-            corrected=cfg.dist.pipeline == "exact" and cfg.dist.corrected_lookups,
+            corrected=pipelining(cfg.dist).expects_corrections(),
         )
         trainer = Trainer(cfg, Path(tempfile.mkdtemp()), client=client, cluster=cluster)
         data = [b.share(rank, trainers) for b in batches(8)]

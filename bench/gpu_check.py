@@ -99,6 +99,7 @@ def disaggregated_rank(
     from embedding_server.client.distributed import DistributedEmbeddingClient
     from embedding_server.planner import plan_sharding
     from embedding_server.runtime.cluster import Roles, join
+    from embedding_server.runtime.pipelining import pipelining
     from embedding_server.runtime.server import EmbeddingServer
     from embedding_server.runtime.transport import open_transport
     from embedding_server.wire import ids_dtype
@@ -113,9 +114,12 @@ def disaggregated_rank(
     plan = plan_sharding(spec, servers, "rowwise_adagrad", "auto")
     cluster.transport = open_transport(cluster, ids_dtype(dt.ROWS))
     if rank == 0:
-        client = DistributedEmbeddingClient(cluster, plan, spec, corrected=pipeline == "exact")
+        mode = pipelining(cfg.dist)
+        client = DistributedEmbeddingClient(
+            cluster, plan, spec, corrected=mode.expects_corrections()
+        )
         trainer = Trainer(cfg, Path(tempfile.mkdtemp()), client=client, cluster=cluster)
-        times = timed(trainer, steps, warmup, ahead=pipeline != "off")
+        times = timed(trainer, steps, warmup, ahead=mode.prefetch)
         client.close()
         result = summary(times, trainer.timings, steps, str(trainer.device), client.kernel)
         result["communication_ms"] = 1e3 * client.stats["comm_s"] / (steps + warmup)

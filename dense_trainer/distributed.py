@@ -47,6 +47,7 @@ from embedding_server.planner import (
     wire_id_bound,
 )
 from embedding_server.runtime.cluster import Roles, join, open_slow_group
+from embedding_server.runtime.pipelining import pipelining
 from embedding_server.runtime.server import EmbeddingServer
 from embedding_server.runtime.transport import exchange_chunks, open_transport
 from embedding_server.runtime.watchdog import SUPERVISED_ENV, JobMonitor, PeerLost, io_bound_s
@@ -192,7 +193,7 @@ def _run_trainer(
         stage=stage,
         chunks=chunks,
         device=device,
-        corrected=d.pipeline == "exact" and d.corrected_lookups,
+        corrected=pipelining(d).expects_corrections(),
     )
     trainer = Trainer(cfg, out, client=client, cluster=cluster)
     cluster.heartbeat.progress = lambda: trainer.state.step

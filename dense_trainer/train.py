@@ -60,6 +60,7 @@ from embedding_server.client.local import InProcessEmbeddingClient
 from embedding_server.idmap.ahead import overlaps
 from embedding_server.kernels.optimizers import build_dense_optimizer
 from embedding_server.runtime.cluster import Cluster
+from embedding_server.runtime.pipelining import pipelining
 
 log = logging.getLogger(__name__)
 
@@ -439,7 +440,7 @@ class Trainer:
         """The next step's ids, when they may travel during this step: pipelining is on, the
         route allows it, and nothing (an evaluation, a checkpoint, the end) comes between."""
         cfg, step = self.cfg.train, self.state.step + 1
-        if self.cfg.dist.pipeline == "off" or not self.client.can_prefetch:
+        if not pipelining(self.cfg.dist).prefetch or not self.client.can_prefetch:
             return None
         # one process: pushes read the maps between steps
         if self.live is not None and self.client.plan is None:

@@ -2,6 +2,8 @@
 
     server.py      the embedding server's loop: commands, chunked lookups and updates, exact /
                    semi-sync pipelining, live pushes, checkpoints
+    pipelining.py  the pipeline modes (off, exact, semi-sync), a class each, chosen once from
+                   ``dist.pipeline``: what the trainer prefetches, when the server applies updates
     transport.py   trainer/server messages (point to point by default; world all-to-alls for the
                    hierarchical route)
     exchange.py    the flat or hierarchical all-to-all

@@ -44,6 +44,7 @@ from embedding_server.config import DistConfig, EmbeddingConfig, LiveConfig
 from embedding_server.planner import ShardingPlan, wire_id_bound
 from embedding_server.runtime.cluster import Cluster
 from embedding_server.runtime.correction import Corrector
+from embedding_server.runtime.pipelining import pipelining
 from embedding_server.runtime.transport import GRADS, POOLED
 from embedding_server.shard import EmbeddingShard, ShardSet
 from embedding_server.stores.live import LivePusher
@@ -177,22 +178,17 @@ class EmbeddingServer:
         self.transport = cluster.transport
         self.id_dtype = ids_dtype(wire_id_bound(plan, spec))  # as the trainers send
         self.stage: ServerStage = (stage or FlatStage)(self)
-        self.semi_sync = (
-            dist.pipeline == "semi-sync" and self.stage.deferrable and self.transport.pipelined
+        schedule = pipelining(dist).schedule(
+            self.stage.deferrable, self.transport.pipelined, bool(self.shards)
         )
+        self.semi_sync = schedule.stale
         # Lockstep applies each update as soon as its gradients arrive; pipelined runs keep it
         # until the next step's ids are in, to interleave it chunk by chunk with their lookup.
-        self.eager = dist.pipeline == "off" or not self.transport.pipelined
+        self.eager = schedule.eager
         # per chunk: the last step's update
         self._pending: list[Update | None] = [None] * max(1, len(self.chunks))
         # exact: early lookups corrected once the update is in (the trainers expect it alike).
-        corrected = (
-            dist.pipeline == "exact"
-            and dist.corrected_lookups
-            and self.stage.deferrable
-            and self.transport.pipelined
-            and bool(self.shards)
-        )
+        corrected = schedule.corrected
         self.corrector = (
             Corrector(
                 self.shards,
