@@ -20,14 +20,13 @@ from api.errors import register_error_handlers
 from api.fastpath import FastScoring
 from api.metrics import ServingMetrics
 from api.middleware import BodyLimit, ContentEncoding, RequestContext
-from api.router import FAST_HANDLERS as V1_FAST
-from api.router import STAGED as V1_STAGED
+from api.router import SCORING as V1_SCORING
 from api.router import router
+from api.scoring import fast_handlers, staged_handlers
 from api.service import ModelService
 from api.settings import Settings, get_settings
 from api.slots import CpuSlots
-from api.v2.router import FAST_HANDLERS as V2_FAST
-from api.v2.router import STAGED as V2_STAGED
+from api.v2.router import SCORING as V2_SCORING
 from api.v2.router import router as v2_router
 from embedding_server.stores import ServingStore, open_store
 
@@ -113,9 +112,9 @@ def create_app(
         app.add_middleware(
             FastScoring,
             routes=app.state.routes,
-            handlers={**V1_FAST, **V2_FAST},
+            handlers=fast_handlers([*V1_SCORING, *V2_SCORING]),
             inline_max_bytes=settings.inline_max_bytes,
-            staged={**V1_STAGED, **V2_STAGED},
+            staged=staged_handlers([*V1_SCORING, *V2_SCORING]),
             slots=app.state.slots,
         )
     app.add_middleware(ContentEncoding, limit=settings.max_body_bytes)  # inside the cap on the wire

@@ -5,17 +5,14 @@ Protocol's endpoints are in ``api/v2/router.py``; authentication is a middleware
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Request, Response
-from fastapi.concurrency import run_in_threadpool
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.errors import NotReady
-from api.fastpath import Staged
 from api.schemas import ErrorBody, ModelInfo, PredictResponse
-from api.service import ModelService, Scored
+from api.scoring import ScoringRoute, ServiceDep
+from api.service import ModelService, Pending, Scored
 
 ERRORS = {
     401: {"model": ErrorBody, "description": "Missing or wrong bearer API key"},
@@ -54,13 +51,6 @@ TSV_BODY = {
 }
 
 
-def get_service(request: Request) -> ModelService:
-    return request.app.state.service
-
-
-ServiceDep = Annotated[ModelService, Depends(get_service)]
-
-
 def _response(scored: Scored) -> PredictResponse:
     return PredictResponse(
         predictions=scored.predictions,
@@ -78,105 +68,39 @@ def list_models(service: ServiceDep) -> dict:
     return {"models": [service.settings.model_name]}
 
 
-def _json(scored: Scored) -> Response:
+def _json(_: Pending, scored: Scored) -> Response:
     """The answer rendered here, in the request's worker thread (not on the event loop)."""
     return Response(_response(scored).model_dump_json().encode(), media_type="application/json")
 
 
-def _predict(service: ModelService, name: str, body: bytes, version: str | None) -> Response:
-    return _json(service.predict_json(name, body, version))
-
-
-@models.post(
-    "/{name}:predict",
-    response_model=PredictResponse,
-    openapi_extra=JSON_BODY,
-    summary="Score instances (the current version)",
-)
-async def predict(name: str, request: Request, service: ServiceDep) -> Response:
-    body = await request.body()  # decoded, validated and scored off the event loop
-    return await run_in_threadpool(_predict, service, name, body, None)
-
-
-@models.post(
-    "/{name}/versions/{version}:predict",
-    response_model=PredictResponse,
-    openapi_extra=JSON_BODY,
-    summary="Score instances with a pinned version",
-)
-async def predict_version(
-    name: str, version: str, request: Request, service: ServiceDep
-) -> Response:
-    body = await request.body()
-    return await run_in_threadpool(_predict, service, name, body, version)
-
-
-def _predict_tsv(service: ModelService, name: str, text: bytes, version: str | None) -> Response:
-    return _json(service.predict_tsv(name, text, version))
-
-
-FAST_HANDLERS = {
-    "/v1/models/{name}:predict": lambda service, p, body, _: _predict(
-        service, p["name"], body, None
+SCORING = [
+    ScoringRoute(
+        "/v1/models/{name}",
+        ":predict",
+        "predict",
+        lambda service, name, version, body, _: service.prepare_json(name, body, version),
+        _json,
+        "Score instances (the current version)",
+        "Score instances with a pinned version",
+        JSON_BODY,
+        PredictResponse,
     ),
-    "/v1/models/{name}/versions/{version}:predict": lambda service, p, body, _: _predict(
-        service, p["name"], body, p["version"]
+    ScoringRoute(
+        "/v1/models/{name}",
+        ":predict_tsv",
+        "predict_tsv",
+        lambda service, name, version, body, _: service.prepare_tsv(name, body, version),
+        _json,
+        "Score lines in the model's input format",
+        "Score lines with a pinned version",
+        TSV_BODY,
+        PredictResponse,
     ),
-    "/v1/models/{name}:predict_tsv": lambda service, p, body, _: _predict_tsv(
-        service, p["name"], body, None
-    ),
-    "/v1/models/{name}/versions/{version}:predict_tsv": lambda service, p, body, _: _predict_tsv(
-        service, p["name"], body, p["version"]
-    ),
-}
-"""The scoring routes as ``api/fastpath.py`` answers them: the same functions as the endpoints
-below."""
-
-
-def _render(_, scored: Scored) -> Response:
-    return _json(scored)
-
-
-STAGED = {
-    "/v1/models/{name}:predict": Staged(
-        lambda service, p, body, _: service.prepare_json(p["name"], body, None), _render
-    ),
-    "/v1/models/{name}/versions/{version}:predict": Staged(
-        lambda service, p, body, _: service.prepare_json(p["name"], body, p["version"]), _render
-    ),
-    "/v1/models/{name}:predict_tsv": Staged(
-        lambda service, p, body, _: service.prepare_tsv(p["name"], body, None), _render
-    ),
-    "/v1/models/{name}/versions/{version}:predict_tsv": Staged(
-        lambda service, p, body, _: service.prepare_tsv(p["name"], body, p["version"]), _render
-    ),
-}
-"""The same routes split around their model call (``fastpath.Staged``): concurrent small
-requests."""
-
-
-@models.post(
-    "/{name}:predict_tsv",
-    response_model=PredictResponse,
-    openapi_extra=TSV_BODY,
-    summary="Score lines in the model's input format",
-)
-async def predict_tsv(name: str, request: Request, service: ServiceDep) -> Response:
-    text = await request.body()
-    return await run_in_threadpool(_predict_tsv, service, name, text, None)  # off the event loop
-
-
-@models.post(
-    "/{name}/versions/{version}:predict_tsv",
-    response_model=PredictResponse,
-    openapi_extra=TSV_BODY,
-    summary="Score lines with a pinned version",
-)
-async def predict_tsv_version(
-    name: str, version: str, request: Request, service: ServiceDep
-) -> Response:
-    text = await request.body()
-    return await run_in_threadpool(_predict_tsv, service, name, text, version)
+]
+"""The V1 scoring routes (``api/scoring.py`` derives their endpoints, fast path and staged
+split)."""
+for _route in SCORING:
+    _route.register(models)
 
 
 def _info(service: ModelService, name: str, version: str | None) -> ModelInfo:

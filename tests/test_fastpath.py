@@ -99,13 +99,13 @@ def test_fast_path_answers_as_fastapi_does(store_url, lines, auth, inline, monke
     keys = {"api_key": KEY} if auth else {}
     headers = {"Authorization": f"Bearer {KEY}"} if auth else {}
     runs, threads = {}, []
-    real = ModelService.predict_json
+    real = ModelService.prepare_json
 
     def spy(self, name, body, version=None):
         threads.append((threading.current_thread().name, version))
         return real(self, name, body, version)
 
-    monkeypatch.setattr(ModelService, "predict_json", spy)
+    monkeypatch.setattr(ModelService, "prepare_json", spy)
     for fast in (False, True):
         threads.clear()
         settings = Settings(
@@ -147,13 +147,13 @@ def test_fast_path_keeps_authentication(store_url, lines):
 def test_handler_log_lines_carry_the_request_id(store_url, lines, monkeypatch):
     """The handler runs in a pool thread with the request's context variables."""
     seen = []
-    real = ModelService.predict_json
+    real = ModelService.prepare_json
 
     def logged(self, *args, **kwargs):
         seen.append(REQUEST_ID.get(None))
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ModelService, "predict_json", logged)
+    monkeypatch.setattr(ModelService, "prepare_json", logged)
     with TestClient(create_app(Settings(store=store_url))) as client:
         r = client.post(
             "/v1/models/dlrm:predict",
@@ -240,3 +240,21 @@ def test_redis_requests_with_every_row_cached_are_scored_on_the_loop(
             hits_in_pool = hits
     assert hits == hits_in_pool
     assert runs[0] == runs[4096]
+
+
+def test_each_scoring_route_is_declared_once():
+    """Every POST route that scores (V1 and V2, current and pinned) comes from one
+    ``ScoringRoute``: its FastAPI endpoint, its fast-path handler and its staged split."""
+    from api.router import SCORING as V1
+    from api.scoring import fast_handlers, staged_handlers
+    from api.v2.router import SCORING as V2
+
+    app = create_app(Settings(store="file:///nonexistent"))
+    posts = {t for t, method in app.state.routes if method == "POST"}
+    scoring = {t for t in posts if t.endswith((":predict", ":predict_tsv", "/infer"))}
+    declared = [path for r in [*V1, *V2] for path in r.paths]
+    assert len(declared) == len(set(declared)) == 6
+    assert set(declared) == scoring == set(fast_handlers([*V1, *V2]))
+    assert set(staged_handlers([*V1, *V2])) == scoring
+    layer = FastScoring(None, app.state.routes, fast_handlers([*V1, *V2]))
+    assert {r.path for r in layer.routes if r.handler is not None} == scoring

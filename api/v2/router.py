@@ -9,13 +9,13 @@ from __future__ import annotations
 from importlib import metadata as package_metadata
 
 from fastapi import APIRouter, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 
 from api.decode import infer_request
 from api.errors import InputError, NotReady
-from api.fastpath import Staged
-from api.router import ERRORS, ServiceDep
+from api.router import ERRORS
+from api.scoring import ScoringRoute, ServiceDep
 from api.service import ModelService, Pending, Scored
 from api.v2 import binary
 from api.v2.protocol import (
@@ -122,27 +122,12 @@ def _parse(body: bytes, header_length: str | None) -> tuple[InferRequest, list[l
     return request, binary.decode(request.inputs, raw)
 
 
-def infer_sync(
-    service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None
-) -> Response:
-    """One infer request, off the event loop."""
-    with service.batcher.coming():
-        return _infer(service, name, version, body, header_length)
-
-
-def _infer(
-    service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None
-) -> Response:
-    pending = _prepare(service, name, version, body, header_length)
-    return _render(pending, service.finish(pending))
-
-
 def _prepare(
-    service: ModelService, name: str, version: str | None, body: bytes, header_length: str | None
+    service: ModelService, name: str, version: str | None, body: bytes, headers: Headers
 ) -> Pending:
     """An infer request parsed and featurised, before its model call."""
     model = service.resolve(name, version)
-    request, values = _parse(body, header_length)
+    request, values = _parse(body, headers.get(binary.HEADER))
     inputs, _ = tensors_to_inputs(model, request.inputs, values, service.settings.max_instances)
     return service.prepared(Pending(model, inputs, "tensors", (name, request)))
 
@@ -176,56 +161,18 @@ def _render(pending: Pending, scored: Scored) -> Response:
     )
 
 
-FAST_HANDLERS = {
-    "/v2/models/{name}/infer": lambda service, p, body, headers: infer_sync(
-        service, p["name"], None, body, headers.get(binary.HEADER)
-    ),
-    "/v2/models/{name}/versions/{version}/infer": lambda service, p, body, headers: infer_sync(
-        service, p["name"], p["version"], body, headers.get(binary.HEADER)
-    ),
-}
-"""The infer routes as ``api/fastpath.py`` answers them: the same function as the endpoints
-below."""
-
-STAGED = {
-    "/v2/models/{name}/infer": Staged(
-        lambda service, p, body, headers: _prepare(
-            service, p["name"], None, body, headers.get(binary.HEADER)
-        ),
-        _render,
-    ),
-    "/v2/models/{name}/versions/{version}/infer": Staged(
-        lambda service, p, body, headers: _prepare(
-            service, p["name"], p["version"], body, headers.get(binary.HEADER)
-        ),
-        _render,
-    ),
-}
-"""The same routes split around their model call (``fastpath.Staged``): concurrent small
-requests."""
-
-
-@router.post(
-    "/models/{name}/infer",
-    openapi_extra=INFER_BODY,
-    response_model=InferResponse,
-    summary="Score examples given as one tensor per feature",
+INFER = ScoringRoute(
+    "/v2/models/{name}",
+    "/infer",
+    "infer",
+    _prepare,
+    _render,
+    "Score examples given as one tensor per feature",
+    "Score examples with a pinned version",
+    INFER_BODY,
+    InferResponse,
 )
-async def infer(name: str, request: Request, service: ServiceDep) -> Response:
-    body = await request.body()
-    return await run_in_threadpool(
-        infer_sync, service, name, None, body, request.headers.get(binary.HEADER)
-    )
-
-
-@router.post(
-    "/models/{name}/versions/{version}/infer",
-    openapi_extra=INFER_BODY,
-    response_model=InferResponse,
-    summary="Score examples with a pinned version",
-)
-async def infer_version(name: str, version: str, request: Request, service: ServiceDep) -> Response:
-    body = await request.body()
-    return await run_in_threadpool(
-        infer_sync, service, name, version, body, request.headers.get(binary.HEADER)
-    )
+"""The Open Inference Protocol's scoring route (``api/scoring.py`` derives its endpoints, fast
+path and staged split)."""
+SCORING = [INFER]
+INFER.register(router)
