@@ -12,12 +12,12 @@ The teacher (seeded, so the same ``--seed`` gives the same files):
 
 The labels are Bernoulli(sigmoid(logit)). ``bayes.json`` holds the AUC and log loss of the true
 probabilities on the test split: what a perfect model would score, the ceiling for every run.
-Rows are generated and written in chunks, so any row count fits in bounded memory.
+Popularity, calibration, labels, chunked writing and the Bayes record are the teacher's, shared
+with the table layout (``teacher.py``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pcsv
 
-from dense_trainer.metrics import log_loss, roc_auc
+from dense_trainer.data.teacher import bayes_record, draw, solve_intercept, write_split, zipf_cdf
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,7 @@ def make_teacher(seed: int, zipf: float = 1.1, rank: int = 4, num_pairs: int = 4
     hexes, cdfs, perms, biases, latents = [], [], [], [], []
     for v in VOCAB:
         hexes.append(rng.integers(0, 2**32, size=v, dtype=np.uint64).astype(np.uint32))
-        w = 1.0 / np.arange(1, v + 1) ** zipf
-        cdfs.append(np.cumsum(w) / w.sum())
+        cdfs.append(zipf_cdf(v, zipf))
         perms.append(rng.permutation(v))
         biases.append(rng.normal(0, 0.25, size=v + 1))
         latents.append(rng.normal(0, 1.0 / np.sqrt(rank), size=(v + 1, rank)))
@@ -100,9 +99,7 @@ def _sample(teacher: Teacher, n: int, rng: np.random.Generator):
     ids = np.empty((f, n), dtype=np.int64)
     logit = np.full(n, teacher.intercept)
     for j in range(f):
-        ranks = np.searchsorted(teacher.zipf_cdf[j], rng.random(n))
-        ranks = np.minimum(ranks, VOCAB[j] - 1)
-        col = teacher.rank_to_id[j][ranks]
+        col = draw(teacher.zipf_cdf[j], teacher.rank_to_id[j], n, rng)
         col[rng.random(n) < teacher.missing_cat[j]] = -1
         ids[j] = col
         logit += teacher.bias[j][col]  # -1 indexes the "missing" row at the end
@@ -118,18 +115,6 @@ def _sample(teacher: Teacher, n: int, rng: np.random.Generator):
     for (a, b), w in zip(teacher.dense_pairs, teacher.dense_pair_w, strict=True):
         logit += w * z[a] * z[b]
     return ids, counts, logit
-
-
-def solve_intercept(logit: np.ndarray, ctr: float) -> float:
-    """The shift of ``logit`` (bisection) that makes the mean click probability ``ctr``."""
-    lo, hi = -20.0, 20.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if np.mean(1 / (1 + np.exp(-(logit + mid)))) < ctr:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def _calibrate(teacher: Teacher, ctr: float, seed: int) -> None:
@@ -152,35 +137,53 @@ def _hex_column(values: np.ndarray, valid: np.ndarray) -> pa.Array:
     )
 
 
+NAMES = ["label"] + [f"I{i + 1}" for i in range(13)] + [f"C{i + 1}" for i in range(26)]
+
+
+def _table(teacher: Teacher, drawn: tuple[np.ndarray, np.ndarray], labels: np.ndarray) -> pa.Table:
+    """Drawn (ids, counts) and their labels -> the columns of a Criteo line."""
+    ids, counts = drawn
+    cols = [pa.array(labels)]
+    cols += [pa.array(c, mask=c < 0) for c in counts]
+    cols += [_hex_column(teacher.hexes[j][np.maximum(ids[j], 0)], ids[j] >= 0) for j in range(26)]
+    return pa.Table.from_arrays(cols, names=NAMES)
+
+
+class _TsvSink:
+    """Criteo's text: tab-separated, no header, empty cells for missing values."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.writer: pcsv.CSVWriter | None = None
+
+    def write(self, table: pa.Table) -> None:
+        if self.writer is None:
+            opts = pcsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
+            self.writer = pcsv.CSVWriter(str(self.path), table.schema, write_options=opts)
+        self.writer.write_table(table)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 def _write_split(
     teacher: Teacher, path: Path, rows: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """Write ``rows`` rows to ``path``; return (true probabilities, labels)."""
-    names = ["label"] + [f"I{i + 1}" for i in range(13)] + [f"C{i + 1}" for i in range(26)]
-    probs, labels = [], []
-    opts = pcsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
-    writer = None
-    try:
-        for start in range(0, rows, CHUNK_ROWS):
-            n = min(CHUNK_ROWS, rows - start)
-            ids, counts, logit = _sample(teacher, n, rng)
-            p = 1.0 / (1.0 + np.exp(-logit))
-            y = (rng.random(n) < p).astype(np.int64)
-            cols = [pa.array(y)]
-            cols += [pa.array(c, mask=c < 0) for c in counts]
-            cols += [
-                _hex_column(teacher.hexes[j][np.maximum(ids[j], 0)], ids[j] >= 0) for j in range(26)
-            ]
-            table = pa.Table.from_arrays(cols, names=names)
-            if writer is None:
-                writer = pcsv.CSVWriter(str(path), table.schema, write_options=opts)
-            writer.write_table(table)
-            probs.append(p)
-            labels.append(y)
-    finally:
-        if writer is not None:
-            writer.close()
-    return np.concatenate(probs), np.concatenate(labels)
+
+    def sample(n: int, rng: np.random.Generator):
+        ids, counts, logit = _sample(teacher, n, rng)
+        return (ids, counts), logit
+
+    return write_split(
+        sample,
+        lambda drawn, labels, _: _table(teacher, drawn, labels),
+        _TsvSink(path),
+        rows,
+        CHUNK_ROWS,
+        rng,
+    )
 
 
 def synthesize(
@@ -200,16 +203,13 @@ def synthesize(
     probs, labels = _write_split(
         teacher, out / "test.txt", test_rows, np.random.default_rng([seed, 2])
     )
-    bayes = {
-        "test_auc": roc_auc(probs, labels),
-        "test_logloss": log_loss(probs, labels),
-        "test_ctr": float(labels.mean()),
-        "train_rows": train_rows,
-        "test_rows": test_rows,
-        "seed": seed,
-        "zipf": zipf,
-        "note": "AUC and log loss of the teacher's true click probabilities on test.txt: "
-        "the Bayes-optimal scores no model can beat in expectation.",
-    }
-    (out / "bayes.json").write_text(json.dumps(bayes, indent=2) + "\n")
-    return bayes
+    return bayes_record(
+        out,
+        probs,
+        labels,
+        "test.txt",
+        train_rows=train_rows,
+        test_rows=test_rows,
+        seed=seed,
+        zipf=zipf,
+    )

@@ -23,12 +23,13 @@ term in score; the intercept is solved for the target click rate. Labels are
 Bernoulli(sigmoid(logit)); ``bayes.json`` holds the AUC and log loss of the true probabilities on
 the test split. ``schema.toml`` is the hand-written config that reads the files. Rows are drawn
 and written in chunks of ``CHUNK_ROWS`` (one Parquet row group each), so any size fits in
-memory; the same seed gives the same rows in every format.
+memory; the same seed gives the same rows in every format. Popularity, calibration, labels,
+chunked writing and the Bayes record are the teacher's, shared with the Criteo layout
+(``teacher.py``).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dense_trainer.data.synth import solve_intercept
-from dense_trainer.metrics import log_loss, roc_auc
+from dense_trainer.data.teacher import bayes_record, draw, solve_intercept, write_split, zipf_cdf
 
 COLUMNS = ["row_id", "user", "hour", "ad", "click", "price", "clicks_7d", "tags", "device", "score"]
 FORMATS = ("csv", "tsv", "parquet")
@@ -83,11 +83,6 @@ class Teacher:
     intercept: float = 0.0
 
 
-def _zipf_cdf(v: int, zipf: float) -> np.ndarray:
-    w = 1.0 / np.arange(1, v + 1) ** zipf
-    return np.cumsum(w) / w.sum()
-
-
 def make_teacher(seed: int, zipf: float = 1.1) -> Teacher:
     rng = np.random.default_rng([seed, 0])
     hours = np.arange(24)
@@ -97,14 +92,14 @@ def make_teacher(seed: int, zipf: float = 1.1) -> Teacher:
         return rng.normal(0, 1 / np.sqrt(RANK), (v, RANK))
 
     return Teacher(
-        user_cdf=_zipf_cdf(NUM_USERS, zipf),
+        user_cdf=zipf_cdf(NUM_USERS, zipf),
         user_of_rank=rng.permutation(NUM_USERS),
-        ad_cdf=_zipf_cdf(NUM_ADS, zipf),
+        ad_cdf=zipf_cdf(NUM_ADS, zipf),
         ad_of_rank=rng.permutation(NUM_ADS),
-        tag_cdf=_zipf_cdf(NUM_TAGS, 0.8),
+        tag_cdf=zipf_cdf(NUM_TAGS, 0.8),
         tag_of_rank=np.arange(NUM_TAGS),  # ODD_TAGS stay popular
         hour_p=hour_p / hour_p.sum(),
-        device_p=_zipf_cdf(NUM_DEVICES, 1.3) - np.r_[0, _zipf_cdf(NUM_DEVICES, 1.3)[:-1]],
+        device_p=zipf_cdf(NUM_DEVICES, 1.3) - np.r_[0, zipf_cdf(NUM_DEVICES, 1.3)[:-1]],
         device_codes=np.sort(rng.choice(np.arange(1001, 2000), NUM_DEVICES, replace=False)),
         user_bias=rng.normal(0, 0.5, NUM_USERS),
         ad_bias=rng.normal(0, 0.5, NUM_ADS),
@@ -135,17 +130,12 @@ class Rows:
     logit: np.ndarray  # float [n]
 
 
-def _draw(cdf: np.ndarray, of_rank: np.ndarray, shape, rng: np.random.Generator) -> np.ndarray:
-    ranks = np.minimum(np.searchsorted(cdf, rng.random(shape)), len(cdf) - 1)
-    return of_rank[ranks]
-
-
 def _sample(t: Teacher, n: int, rng: np.random.Generator) -> Rows:
-    user = _draw(t.user_cdf, t.user_of_rank, n, rng)
-    ad = _draw(t.ad_cdf, t.ad_of_rank, n, rng)
+    user = draw(t.user_cdf, t.user_of_rank, n, rng)
+    ad = draw(t.ad_cdf, t.ad_of_rank, n, rng)
     hour = rng.choice(24, n, p=t.hour_p)
     device = rng.choice(NUM_DEVICES, n, p=t.device_p)
-    tags = _draw(t.tag_cdf, t.tag_of_rank, (n, MAX_TAGS), rng)
+    tags = draw(t.tag_cdf, t.tag_of_rank, (n, MAX_TAGS), rng)
     count = rng.choice(MAX_TAGS + 1, n, p=TAG_COUNT_P)
     keep = np.arange(MAX_TAGS)[None, :] < count[:, None]
     for j in range(1, MAX_TAGS):  # a repeated tag is dropped: bags hold distinct tags
@@ -297,20 +287,19 @@ def _write_split(
     rng: np.random.Generator,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Write ``rows`` rows to ``path``; return (true probabilities, labels)."""
-    probs, labels = [], []
-    sink = _ParquetSink(path) if fmt == "parquet" else _TextSink(path, DELIMITERS[fmt])
-    try:
-        for start in range(0, rows, CHUNK_ROWS):
-            n = min(CHUNK_ROWS, rows - start)
-            drawn = _sample(t, n, rng)
-            p = 1.0 / (1.0 + np.exp(-drawn.logit))
-            y = (rng.random(n) < p).astype(np.int64)
-            sink.write(_table(drawn, y, first_id + start, t, names))
-            probs.append(p)
-            labels.append(y)
-    finally:
-        sink.close()
-    return np.concatenate(probs), np.concatenate(labels)
+
+    def sample(n: int, rng: np.random.Generator):
+        drawn = _sample(t, n, rng)
+        return drawn, drawn.logit
+
+    return write_split(
+        sample,
+        lambda drawn, labels, start: _table(drawn, labels, first_id + start, t, names),
+        _ParquetSink(path) if fmt == "parquet" else _TextSink(path, DELIMITERS[fmt]),
+        rows,
+        CHUNK_ROWS,
+        rng,
+    )
 
 
 SCHEMA = """\
@@ -416,17 +405,14 @@ def synthesize_table(
         np.random.default_rng([seed, 2]),
     )
     (out / "schema.toml").write_text(SCHEMA.format(fmt=format))
-    bayes = {
-        "test_auc": roc_auc(probs, labels),
-        "test_logloss": log_loss(probs, labels),
-        "test_ctr": float(labels.mean()),
-        "train_rows": train_rows,
-        "test_rows": test_rows,
-        "seed": seed,
-        "zipf": zipf,
-        "format": format,
-        "note": f"AUC and log loss of the teacher's true click probabilities on test.{format}: "
-        "the Bayes-optimal scores no model can beat in expectation.",
-    }
-    (out / "bayes.json").write_text(json.dumps(bayes, indent=2) + "\n")
-    return bayes
+    return bayes_record(
+        out,
+        probs,
+        labels,
+        f"test.{format}",
+        train_rows=train_rows,
+        test_rows=test_rows,
+        seed=seed,
+        zipf=zipf,
+        format=format,
+    )
