@@ -96,7 +96,8 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = prepare_config(cfg, args.train)
     InputReader(cfg.feature_spec(), [*args.train, *valid, *args.test]).check()
     from dense_trainer.report import format_metrics
-    from dense_trainer.train import Trainer, prepare_out_dir
+    from dense_trainer.run_setup import prepare_out_dir
+    from dense_trainer.train import Trainer
 
     prepare_out_dir(args.out)
     if distributed:

@@ -14,7 +14,6 @@ model turns them and the dense features into logits, and ``backward`` updates th
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -49,9 +48,10 @@ from dense_trainer.evaluation import (
 )
 from dense_trainer.model import build_dense_model
 from dense_trainer.report import RunningLoss, write_metrics
+from dense_trainer.run_setup import prepare_out_dir, resolve_device
 from dense_trainer.stopping import stop_cluster, stop_signals
 from dlrm_core.batch import Batch, Position, SparseFeatures
-from dlrm_core.errors import ConfigError, DataError
+from dlrm_core.errors import DataError
 from dlrm_core.formats import InputReader, check_files
 from dlrm_core.schema import FeatureSpec
 from embedding_server.checkpoint.files import latest_checkpoint
@@ -63,25 +63,6 @@ from embedding_server.runtime.cluster import Cluster
 from embedding_server.runtime.pipelining import pipelining
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = cuda, but no CUDA device is available")
-    return torch.device(name)
-
-
-def prepare_out_dir(out_dir: Path) -> None:
-    """Create ``out_dir`` and check that it is writable, or fail naming it."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"--out {out_dir}: not writable ({exc.strerror or exc})") from None
 
 
 class Trainer:
