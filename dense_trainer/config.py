@@ -2,9 +2,10 @@
 
 Precedence: command-line flags > TOML file (``--config``) > the defaults below. A TOML file has
 one table per section: ``[data]``, ``[model]``, ``[train]`` (here), ``[optim]`` (the dense
-optimizer), ``[embedding]``, ``[dist]``, ``[live]`` (the parameter node's, in
-``embedding_server``). Unknown keys are errors, with a suggestion when a known key is close;
-``dlrm train --help`` lists every field as a flag (``dlrm_core.config``).
+optimizer), ``[schedule]`` (both optimizers' rates: ``lr_schedule.py``), ``[embedding]``,
+``[dist]``, ``[live]`` (the parameter node's, in ``embedding_server``). Unknown keys are errors,
+with a suggestion when a known key is close; ``dlrm train --help`` lists every field as a flag
+(``dlrm_core.config``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from dense_trainer.lr_schedule import ScheduleConfig
 from dlrm_core import config as core_config
 from dlrm_core.config import Section, flag, parse_override
 from dlrm_core.errors import ConfigError
@@ -143,6 +145,7 @@ class Config(Section):
     model: ModelConfig = ModelConfig()
     optim: DenseOptimizerConfig = DenseOptimizerConfig()
     train: TrainConfig = TrainConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
     live: LiveConfig = LiveConfig()
     dist: DistConfig = DistConfig()
 

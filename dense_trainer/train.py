@@ -46,6 +46,7 @@ from dense_trainer.evaluation import (
     training_split,
     validation_of,
 )
+from dense_trainer.lr_schedule import lr_factor, set_dense_rate
 from dense_trainer.model import build_dense_model
 from dense_trainer.report import RunningLoss, write_metrics
 from dense_trainer.run_setup import prepare_out_dir, resolve_device
@@ -145,12 +146,15 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def forward(self, batch: Batch, prefetch: SparseFeatures | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: Batch, prefetch: SparseFeatures | None = None, next_lr: float = 1.0
+    ) -> torch.Tensor:
         """Logits float [B] of a batch; ``prefetch``: the next batch's ids, sent to the embedding
-        servers while this batch's dense part runs (pipelining)."""
+        servers while this batch's dense part runs (pipelining), its rate factor ``next_lr``."""
         t0 = time.perf_counter()
         embedded = self.client.lookup(batch.sparse)  # [B, sum(D_f)]
         if prefetch is not None:
+            self.client.lr_factor = next_lr
             self.client.prefetch(prefetch)
         t1 = time.perf_counter()
         dense = batch.dense.to(self.device, non_blocking=True)  # [B, I]
@@ -160,17 +164,24 @@ class Trainer:
         return logits
 
     def train_step(
-        self, batch: Batch, global_batch: int | None = None, prefetch: SparseFeatures | None = None
+        self,
+        batch: Batch,
+        global_batch: int | None = None,
+        prefetch: SparseFeatures | None = None,
+        lr: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """One optimizer step; returns the (detached) mean loss over the global batch.
 
         With several trainers, ``batch`` is this trainer's share of a global batch of
         ``global_batch`` examples. The loss is scaled so that DDP's averaging of dense gradients
         and the servers' summing of embedding gradients both give the gradient of the global
-        mean loss, exactly as one process would compute it.
+        mean loss, exactly as one process would compute it. ``lr``: the rate factors of this
+        step and the next (``lr_schedule.py``).
         """
         self.model.train()
-        logits = self.forward(batch, prefetch)
+        set_dense_rate(self.optimizer, lr[0])
+        self.client.lr_factor = lr[0]
+        logits = self.forward(batch, prefetch, lr[1])
         labels = batch.labels.to(self.device, non_blocking=True)
         rows = batch.batch_size if global_batch is None else global_batch
         # A step of fewer rows than the batch size (an epoch's tail, where the trainers' shares
@@ -372,7 +383,7 @@ class Trainer:
         """Take the agreed steps; True when training ran to its end (every epoch, or early
         stopping). The next step is agreed on before this one runs, so that its ids can travel
         meanwhile (``dist.pipeline``)."""
-        cfg, s = self.cfg.train, self.state
+        cfg, s, sched = self.cfg.train, self.state, self.cfg.schedule
         epoch = s.position.epoch
         running = RunningLoss(self, s.samples_seen)
         t_last = time.perf_counter()
@@ -393,9 +404,9 @@ class Trainer:
                 # Decided before the step runs (the same on every trainer): ids of the next step
                 # must not be on their way while the servers cut a checkpoint.
                 kind = self.checkpoints.due(s.step + 1)
-                loss = self.train_step(
-                    cur.batch, cur.global_rows, None if kind else self._prefetch(cur, nxt)
-                )
+                rates = (lr_factor(sched, s.step + 1, epoch), lr_factor(sched, s.step + 2, epoch))
+                ahead = None if kind else self._prefetch(cur, nxt)  # never across an epoch
+                loss = self.train_step(cur.batch, cur.global_rows, ahead, rates)
                 if self.live is not None:
                     self.live.after_step(cur.batch.sparse)
                 s.step += 1

@@ -104,6 +104,8 @@ class EmbeddingShard(nn.Module):
             if torch.equal(order, torch.arange(order.numel()))
             else torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).to(device)
         )
+        self.lr_factor = 1.0
+        """The schedule's factor of the rows' learning rate (:meth:`set_lr_factor`)."""
         self.seed = seed
         self.reset_parameters(seed)
         self.touched = TouchedRows([t.spec.rows for t in tables])
@@ -225,12 +227,21 @@ class EmbeddingShard(nn.Module):
         out = torch.cat(outs, dim=1)  # [B, sum(D_f)], grouped
         return out if self._unpermute is None else out.index_select(1, self._unpermute)
 
+    def set_lr_factor(self, factor: float) -> None:
+        """Scale the rows' learning rate (and decoupled decay) by ``factor`` for the training
+        lookups from now on: a lookup's update (its backward) steps at the rate in effect at the
+        lookup, whenever it runs (a schedule's step: ``dense_trainer/lr_schedule.py``)."""
+        if factor != self.lr_factor:
+            self.lr_factor = factor
+            for kernel in self.kernels:
+                kernel.set_lr_factor(factor)
+
     @torch.no_grad()
     def _decay(self, read: list[torch.Tensor]) -> None:
         """Shrink the rows this training lookup reads (``read``: each feature's rows) by
         (1 - weight_decay), once per row and step, before the backward updates them (the
         forward has used them already)."""
-        keep = 1.0 - self.optimizer_config.weight_decay
+        keep = 1.0 - self.optimizer_config.weight_decay * self.lr_factor
         views = self._table_views()
         rows: dict[int, list[torch.Tensor]] = {}
         for t, values in zip(self.feature_map, read, strict=True):

@@ -187,6 +187,21 @@ EXCHANGE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.b
 """Pooled embeddings and their gradients may cross the wire compressed."""
 
 
+LR_UNIT = 1_000_000
+"""A training lookup's argument is its rate factor minus 1, in millionths (0: the configured
+rate; what every other sender of a training lookup sends)."""
+
+
+def lr_arg(factor: float) -> int:
+    """A training lookup's rate factor -> its message argument."""
+    return round((factor - 1.0) * LR_UNIT)
+
+
+def lr_of(arg: int) -> float:
+    """Inverse of :func:`lr_arg`."""
+    return 1.0 + arg / LR_UNIT
+
+
 def id_message(command: Command, arg: int, batch: int, payload: torch.Tensor) -> torch.Tensor:
     """The header folded into the id payload: one message."""
     head = torch.tensor([int(command), arg, batch, payload.numel()], dtype=payload.dtype)

@@ -36,6 +36,9 @@ class EmbeddingClient(ABC):
     """The model's tables."""
     feature_tables: list[int]
     """The table each categorical feature of a lookup reads (index into ``tables``)."""
+    lr_factor: float = 1.0
+    """The learning-rate factor of the training lookups made from now on (the trainer's
+    schedule): their updates step the rows by ``embedding.optimizer.lr`` x this."""
 
     @abstractmethod
     def lookup(self, sparse: SparseFeatures) -> torch.Tensor:

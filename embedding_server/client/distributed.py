@@ -41,7 +41,14 @@ from embedding_server.runtime.cluster import Cluster
 from embedding_server.runtime.correction import message_capacity, patch
 from embedding_server.runtime.transport import CORRECT, GRADS, POOLED, Pending
 from embedding_server.sharding import scheme_for
-from embedding_server.wire import EXCHANGE_DTYPES, Command, id_message, ids_dtype, pack_ids
+from embedding_server.wire import (
+    EXCHANGE_DTYPES,
+    Command,
+    id_message,
+    ids_dtype,
+    lr_arg,
+    pack_ids,
+)
 
 Messages = list[tuple[int, int]]
 """(server index, elements) of each pooled message of a lookup, in the order they are received."""
@@ -361,11 +368,13 @@ class DistributedEmbeddingClient(EmbeddingClient):
         self.transport.send_ids([id_message(command, arg, 0, body)] * self.roles.num_servers).wait()
         self._stats["comm_s"] += time.perf_counter() - t0
 
-    def _start(self, sparse: SparseFeatures, command: Command) -> _InFlight:
-        """Route and send the ids; post the receive of the pooled vectors."""
+    def _start(self, sparse: SparseFeatures, command: Command, lr: float = 1.0) -> _InFlight:
+        """Route and send the ids (a training lookup's with its rate factor ``lr``); post the
+        receive of the pooled vectors."""
         b = sparse.batch_size
         payloads, bag_lengths = self._route(sparse)
-        messages = [id_message(command, 0, b, p) for p in payloads]
+        arg = lr_arg(lr) if command == Command.LOOKUP_TRAIN else 0
+        messages = [id_message(command, arg, b, p) for p in payloads]
         layout = self.stage.messages(b)
         with self._lock:  # one id message per server and step, in order
             sent = self.transport.send_ids(messages)
@@ -438,7 +447,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
         """Send the ids of the next training lookup now, from a background thread (pipelining)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch-ids")
-        self._next = self._pool.submit(self._start, sparse, Command.LOOKUP_TRAIN)
+        self._next = self._pool.submit(self._start, sparse, Command.LOOKUP_TRAIN, self.lr_factor)
 
     def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -453,7 +462,7 @@ class DistributedEmbeddingClient(EmbeddingClient):
         if len(self._sends) > 1:
             self._sends.pop(0).wait()  # gradients of two steps ago are out by now
         if inflight is None:
-            inflight = self._start(sparse, Command.LOOKUP_TRAIN)
+            inflight = self._start(sparse, Command.LOOKUP_TRAIN, self.lr_factor)
         return _DistributedLookup.apply(self._placeholder, self, inflight)
 
     def checkpoint(self, cut: CutRequest) -> None:

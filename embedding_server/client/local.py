@@ -65,6 +65,8 @@ class InProcessEmbeddingClient(EmbeddingClient):
             self._ahead = RemapAhead(self.shard.id_maps, sparse)
 
     def lookup(self, sparse: SparseFeatures) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.shard.set_lr_factor(self.lr_factor)  # for this lookup's update, in backward
         if self._ahead is not None:
             ahead, self._ahead = self._ahead, None
             return self.shard(sparse, ahead.take(sparse))

@@ -91,6 +91,10 @@ class TBEKernel(nn.Module):
         """values int64 [N], offsets int64 [F*B + 1] -> pooled float [B, sum(D_f)]."""
         return self.tbe(values, offsets)
 
+    def set_lr_factor(self, factor: float) -> None:
+        """The fused optimizer's rate: ``optimizer.lr`` x ``factor``."""
+        self.tbe.set_learning_rate(self.optimizer.lr * factor)
+
     def weights(self) -> list[torch.Tensor]:
         """Per table, a view of its weights [R_t, D_t]."""
         return list(self.tbe.split_embedding_weights())

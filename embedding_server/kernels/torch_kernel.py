@@ -24,13 +24,14 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, placeholder, kernel, values, offsets):  # noqa: ARG004 (placeholder)
         ctx.kernel = kernel
+        ctx.settings = kernel.scaled  # the rate at the lookup is its update's, as fbgemm's TBE
         ctx.save_for_backward(values, offsets)
         return kernel.lookup(values, offsets)
 
     @staticmethod
     def backward(ctx, grad_out):
         values, offsets = ctx.saved_tensors
-        ctx.kernel.update(values, offsets, grad_out)
+        ctx.kernel.update(values, offsets, grad_out, ctx.settings)
         return None, None, None, None
 
 
@@ -50,6 +51,8 @@ class TorchKernel(nn.Module):
             list(range(len(tables))) if feature_table_map is None else list(feature_table_map)
         )
         self.optimizer = optimizer
+        self.scaled = optimizer
+        """The settings the updates use: the rate scaled by the schedule's factor."""
         self.mode = tables[0].pooling
         self._weights = [torch.zeros(t.rows, t.dim, device=device) for t in tables]
         self._states = [
@@ -62,6 +65,10 @@ class TorchKernel(nn.Module):
         # Autograd only calls backward if some input requires grad: this empty tensor does.
         self._placeholder = torch.zeros(0, device=device, requires_grad=True)
         self._step = 0
+
+    def set_lr_factor(self, factor: float) -> None:
+        """The optimizer's rate: ``optimizer.lr`` x ``factor`` (the configured settings kept)."""
+        self.scaled = self.optimizer.model_copy(update={"lr": self.optimizer.lr * factor})
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """values int64 [N], offsets int64 [T*B + 1] -> pooled float [B, sum(D_t)]."""
@@ -87,8 +94,16 @@ class TorchKernel(nn.Module):
         return torch.cat(outs, dim=1)  # [B, sum(D_f)]
 
     @torch.no_grad()
-    def update(self, values: torch.Tensor, offsets: torch.Tensor, grad_out: torch.Tensor) -> None:
-        """Sum each table's gradients over every feature that read it, then step its rows once."""
+    def update(
+        self,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        grad_out: torch.Tensor,
+        settings: SparseOptimizerConfig | None = None,
+    ) -> None:
+        """Sum each table's gradients over every feature that read it, then step its rows once
+        (``settings``: the optimizer's as at the lookup; default the current ones)."""
+        settings = settings or self.scaled
         self._step += 1
         col = 0
         per_table: dict[int, tuple[list, list]] = {}
@@ -113,7 +128,7 @@ class TorchKernel(nn.Module):
             )
             summed.index_add_(0, inverse, torch.cat(grads))  # [U, D_t]
             apply_sparse_update(
-                self.optimizer, self._weights[t], self._states[t], rows, summed, self._step
+                settings, self._weights[t], self._states[t], rows, summed, self._step
             )
 
     def weights(self) -> list[torch.Tensor]:

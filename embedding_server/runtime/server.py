@@ -4,7 +4,8 @@ It holds its pieces of the tables (:class:`EmbeddingShard`, fbgemm TBE with the 
 optimizer) and answers the trainers, one id message from every trainer per round (``wire.py``):
 
     LOOKUP_TRAIN   ids in -> one fused lookup over every trainer's examples -> pooled out ->
-                   gradients in -> backward, which applies the optimizer to the touched rows
+                   gradients in -> backward, which applies the optimizer to the touched rows,
+                   at the rate factor the message's argument carries (the trainer's schedule)
     LOOKUP_EVAL    the same without gradients
     CHECKPOINT     snapshot the pieces' trained rows and optimizer state; a background thread
                    writes them into the partial checkpoint (``checkpoint/server.py``)
@@ -48,7 +49,14 @@ from embedding_server.runtime.pipelining import pipelining
 from embedding_server.runtime.transport import GRADS, POOLED
 from embedding_server.shard import EmbeddingShard, ShardSet
 from embedding_server.stores.live import LivePusher
-from embedding_server.wire import EXCHANGE_DTYPES, Command, ids_dtype, parse_id_message, unpack_ids
+from embedding_server.wire import (
+    EXCHANGE_DTYPES,
+    Command,
+    ids_dtype,
+    lr_of,
+    parse_id_message,
+    unpack_ids,
+)
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +292,7 @@ class EmbeddingServer:
         ]
         if not train:
             self._flush()
+        lr = lr_of(messages[0][1]) if train else 1.0  # the step's rate factor (every trainer's)
         chunks = self.chunks or [(0, 0)]
         updates = []
         for k, (a, b) in enumerate(chunks):
@@ -292,6 +301,8 @@ class EmbeddingServer:
             )
             if not early:
                 self._flush(k)  # this chunk's lookup sees the previous step's update
+            if train and self.shards:
+                self.shards[k].set_lr_factor(lr)  # its update steps at the rate of its lookup
             pooled = self._lookup_chunk(k, a, b, per_trainer, batches, train)
             marks = self._marks(k, a, b, per_trainer) if train else None
             update = self.stage.respond(pooled, batches, train)
@@ -345,6 +356,7 @@ class EmbeddingServer:
     def _after(
         self, update: Update | None, a: int, marks: list[torch.Tensor] | None, last: bool
     ) -> Update:
+
         def run() -> None:
             if update is not None:
                 update()
