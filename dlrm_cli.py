@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_train_parser,
         add_worker_parser,
     )
+    from dense_trainer.data.stream.cli import add_stream_parser
     from dense_trainer.tune import add_tune_parser
     from embedding_server.cli import add_publish_parser, add_store_parser
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     add_plan_towers_parser(sub)
     add_data_parser(sub)
+    add_stream_parser(sub)
     add_publish_parser(sub)
     add_store_parser(sub)
     add_serve_parser(sub)

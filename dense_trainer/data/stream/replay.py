@@ -1,0 +1,146 @@
+"""``dlrm stream replay``: a file published into the impression and click streams, at a rate.
+
+Each row becomes an impression entry (its columns by name, the label left out, and an
+``impression_id``); a row labelled 1 also becomes a click entry (``impression_id``, ``label`` =
+1) ``click_delay_s`` later, as a live click log would deliver it; a row labelled 0 gets no
+feedback (the joiner's window makes it a negative). Rows are read in chunks (any file size) from
+any input format the trainer reads: Criteo TSV (columns ``label``, ``I1``..``I13``,
+``C1``..``C26``), CSV / TSV with a header, Parquet. The rate holds on average over each second;
+entries are written in pipelined batches.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import redis
+
+from dense_trainer.data.stream.joiner import IMPRESSION_ID, LABEL
+from dlrm_core.errors import ConfigError, DataError
+from dlrm_core.secrets import redact_url
+
+CRITEO = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
+BATCH = 500
+"""Entries written per pipelined round trip at most."""
+
+
+@dataclass
+class ReplayStats:
+    impressions: int = 0
+    clicks: int = 0
+    seconds: float = 0.0
+
+
+def rows_of(path: Path, label: str, chunk_rows: int = 65_536) -> Iterator[dict[str, str]]:
+    """The file's rows as column -> text (empty cells left out)."""
+    if path.suffix == ".parquet":
+        batches = pq.ParquetFile(path).iter_batches(batch_size=chunk_rows)
+    else:
+        criteo = path.suffix in (".txt", ".gz") or path.name.endswith(".txt.gz")
+        read = pcsv.ReadOptions(column_names=CRITEO if criteo else None, block_size=1 << 22)
+        parse = pcsv.ParseOptions(delimiter="\t" if criteo or path.suffix == ".tsv" else ",")
+        convert = pcsv.ConvertOptions(strings_can_be_null=True, quoted_strings_can_be_null=False)
+        try:
+            batches = pcsv.open_csv(path, read, parse, convert)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise DataError(f"{path}: cannot read ({exc})") from None
+    for batch in batches:
+        names = batch.schema.names
+        if label not in names:
+            raise DataError(f"{path}: no label column {label!r} (columns: {', '.join(names)})")
+        columns = [
+            [None if v is None else _text(v) for v in batch.column(i).to_pylist()]
+            for i in range(batch.num_columns)
+        ]
+        for values in zip(*columns, strict=True):
+            yield {n: v for n, v in zip(names, values, strict=True) if v is not None and v != ""}
+
+
+def _text(v) -> str:
+    if isinstance(v, list):
+        return "|".join(str(x) for x in v)
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def replay(
+    files: list[Path],
+    url: str,
+    impressions: str = "impressions",
+    clicks: str = "clicks",
+    label: str = "label",
+    rate: float = 1000.0,
+    click_delay_s: float = 2.0,
+    max_rows: int = 0,
+    run: str = "r",
+    timeout_s: float = 5.0,
+) -> ReplayStats:
+    """Publish the files' rows; returns what was written. ``run`` prefixes the impression ids
+    (a second replay of the same file makes other impressions)."""
+    if rate <= 0:
+        raise ConfigError(f"--rate {rate}: must be positive")
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, decode_responses=True)
+    stats, t0 = ReplayStats(), time.monotonic()
+    delayed: list[tuple[float, int, dict]] = []  # (due, n, click fields), a heap
+    pipe, queued = client.pipeline(transaction=False), 0
+    n = 0
+    try:
+        for path in files:
+            for row in rows_of(path, label):
+                if max_rows and n >= max_rows:
+                    break
+                due = t0 + n / rate
+                queued += _flush_clicks(pipe, clicks, delayed, time.monotonic(), stats)
+                wait = due - time.monotonic()
+                if wait > 0:
+                    queued = _send(pipe, queued)
+                    time.sleep(wait)
+                y = row.pop(label, "0")
+                key = f"{run}-{n}"
+                pipe.xadd(impressions, {IMPRESSION_ID: key, **row})
+                stats.impressions += 1
+                queued += 1
+                if y == "1":
+                    heapq.heappush(
+                        delayed, (due + click_delay_s, n, {IMPRESSION_ID: key, LABEL: "1"})
+                    )
+                if queued >= BATCH:
+                    queued = _send(pipe, queued)
+                n += 1
+        while delayed:
+            wait = delayed[0][0] - time.monotonic()
+            if wait > 0:
+                queued = _send(pipe, queued)
+                time.sleep(min(wait, 0.05))
+            queued += _flush_clicks(pipe, clicks, delayed, time.monotonic(), stats)
+        _send(pipe, queued)
+    except redis.RedisError as exc:
+        raise ConfigError(f"stream {redact_url(url)}: {type(exc).__name__}") from None
+    finally:
+        client.close()
+    stats.seconds = time.monotonic() - t0
+    return stats
+
+
+def _flush_clicks(pipe, stream: str, delayed: list, now: float, stats: ReplayStats) -> int:
+    sent = 0
+    while delayed and delayed[0][0] <= now:
+        _, _, fields = heapq.heappop(delayed)
+        pipe.xadd(stream, fields)
+        stats.clicks += 1
+        sent += 1
+    return sent
+
+
+def _send(pipe, queued: int) -> int:
+    if queued:
+        pipe.execute()
+    return 0
