@@ -66,12 +66,16 @@ def freeze_for_serving(module: nn.Module) -> nn.Module:
     return module
 
 
-def mlp(sizes: list[int], relu_last: bool) -> MLP:
+def mlp(sizes: list[int], relu_last: bool, dropout: float = 0.0) -> MLP:
+    """Linear layers of ``sizes``, a ReLU after each but (unless ``relu_last``) the last; with
+    ``dropout``, a dropout layer after each hidden ReLU (identity in evaluation and serving)."""
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         layers.append(nn.Linear(a, b))
         if relu_last or i < len(sizes) - 2:
             layers.append(nn.ReLU())
+            if dropout and i < len(sizes) - 2:
+                layers.append(nn.Dropout(dropout))
     return MLP(*layers)
 
 
@@ -191,9 +195,9 @@ class InteractionDCNArch(nn.Module):
 class OverArch(nn.Module):
     """Top MLP: [B, K] -> logit [B, 1] (no activation on the last layer)."""
 
-    def __init__(self, in_features: int, layer_sizes: list[int]) -> None:
+    def __init__(self, in_features: int, layer_sizes: list[int], dropout: float = 0.0) -> None:
         super().__init__()
-        self.model = mlp([in_features, *layer_sizes, 1], relu_last=False)
+        self.model = mlp([in_features, *layer_sizes, 1], relu_last=False, dropout=dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -253,7 +257,12 @@ class DLRMDense(nn.Module):
             self.inter_arch = InteractionDCNArch(over_in, cfg.dcn_num_layers, cfg.dcn_low_rank)
         else:  # no categorical feature: the bottom MLP feeds the over arch
             over_in, self.inter_arch = dense_out, None
-        self.over_arch = OverArch(over_in, cfg.over_arch_layer_sizes)
+        self.over_arch = OverArch(over_in, cfg.over_arch_layer_sizes, cfg.dropout)
+        # wide: a linear first-order term over the raw inputs, added to the logit
+        self.wide = nn.Linear(num_dense + sum(table_dims), 1) if cfg.wide else None
+        if self.wide is not None:
+            nn.init.zeros_(self.wide.weight)
+            nn.init.zeros_(self.wide.bias)
 
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """dense float [B, I], embedded float [B, sum(D_f)] -> logits float [B]."""
@@ -275,7 +284,10 @@ class DLRMDense(nn.Module):
             z = self.inter_arch(x, sparse)  # [B, D + (F+1)F/2]
             if self.append_embeddings:
                 z = torch.cat([z, embedded], dim=1)  # [B, D + (F+1)F/2 + sum(D_f)]
-        return self.over_arch(z).squeeze(1)
+        logit = self.over_arch(z).squeeze(1)  # [B]
+        if self.wide is not None:
+            logit = logit + self.wide(torch.cat([dense, embedded], dim=1)).squeeze(1)
+        return logit
 
 
 class LogisticRegression(nn.Module):

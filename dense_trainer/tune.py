@@ -11,8 +11,9 @@ search never reads a test file: it takes none. It writes, into ``--out``:
     trials.csv    one row per trial: its settings, validation AUC and log loss, state, seconds
     best.json     the best trial's settings and figures
 
-The search space (:func:`suggest`): both learning rates, the embedding dim, the batch size, the
-interaction (dot or DCN-v2), the MLP sizes, embedding and dense weight decay, and the epochs.
+The search space (:func:`suggest`): both learning rates and their per-epoch decay, the embedding
+dim, the batch size, the interaction (dot or DCN-v2), the wide part, the MLP sizes, over-arch
+dropout, embedding and dense weight decay, and the epochs.
 """
 
 from __future__ import annotations
@@ -59,8 +60,14 @@ def suggest(trial) -> dict[str, Any]:
         },
         "model": {
             "interaction": trial.suggest_categorical("interaction", ["dot", "dcn"]),
+            "wide": trial.suggest_categorical("wide", [True, False]),
             "dense_arch_layer_sizes": MLPS[mlp][0],
             "over_arch_layer_sizes": MLPS[mlp][1],
+            "dropout": trial.suggest_float("dropout", 0.0, 0.3),
+        },
+        "schedule": {
+            "decay": "epoch",
+            "epoch_gamma": trial.suggest_float("epoch_gamma", 0.3, 1.0),
         },
         "train": {
             "batch_size": trial.suggest_categorical("batch_size", [256, 512, 1024, 2048]),

@@ -9,6 +9,7 @@ from dense_trainer.model import (
     InteractionDCNArch,
     LogisticRegression,
     OverArch,
+    build_served_model,
 )
 
 B, I, F, D = 5, 13, 26, 16
@@ -110,3 +111,32 @@ def test_mlp_without_autograd_is_nn_linear_and_frozen_mlps_equal_it():
         for batch in (1, 7, 300):
             x = torch.randn(batch, 13)
             torch.testing.assert_close(served(x), plain(x), rtol=1e-6, atol=1e-6)
+
+
+def test_wide_part_adds_each_inputs_linear_term():
+    """model.wide: logit = deep(x) + w . [dense, embedded] + b, zero at the start (the deep
+    model's logits unchanged until it learns); a version published before it serves as before."""
+    from api.model import build_dense
+    from dense_trainer.config import Config
+    from embedding_server.wire import ModelVersion
+
+    torch.manual_seed(0)
+    deep = DLRMDense(3, [4, 4], ModelConfig(wide=False), embedding_dim=4)
+    wide = DLRMDense(3, [4, 4], ModelConfig(wide=True), embedding_dim=4)
+    wide.load_state_dict({**deep.state_dict(), **{k: v for k, v in wide.state_dict().items()
+                                                   if k.startswith("wide.")}})  # fmt: skip
+    dense, embedded = torch.randn(5, 3), torch.randn(5, 8)
+    torch.testing.assert_close(wide(dense, embedded), deep(dense, embedded))
+    with torch.no_grad():
+        wide.wide.weight.copy_(torch.arange(11.0).unsqueeze(0))
+        wide.wide.bias.fill_(0.5)
+    extra = torch.cat([dense, embedded], 1) @ torch.arange(11.0) + 0.5
+    torch.testing.assert_close(wide(dense, embedded), deep(dense, embedded) + extra)
+
+    cfg = Config()
+    old = {k: v for k, v in cfg.model.model_dump(mode="json").items() if k != "wide"}
+    spec = cfg.feature_spec()
+    net = build_served_model(ModelConfig(wide=False), spec, cfg.embedding.dim)
+    meta = ModelVersion(version="v", spec=spec, model=old, embedding_dim=cfg.embedding.dim)
+    served = build_dense(meta, net.state_dict())  # no wide.* weights: loads
+    assert served.wide is None
