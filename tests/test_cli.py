@@ -138,6 +138,8 @@ def test_sigterm_checkpoints_and_resume_completes(tmp_path, synth_medium):
         "configs/tiny.toml",
         "--batch-size",
         "64",
+        "--patience",
+        "0",  # every row trained: early stopping would end the epoch sooner
         "--no-progress",
     ]
     proc = subprocess.Popen([*DLRM, *map(str, args)], cwd=REPO, stderr=subprocess.PIPE, text=True)
