@@ -60,10 +60,11 @@ lint: setup
 # separate environment, installed with --no-deps so that it cannot replace fbgemm-gpu-cpu.
 bench-env: $(BENCH_VENV)/.stamp
 
-$(BENCH_VENV)/.stamp: pyproject.toml bench/requirements-torchrec.txt
+$(BENCH_VENV)/.stamp: pyproject.toml bench/requirements-torchrec.txt bench/requirements-peers.txt
 	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/pip install --quiet $(TORCH_EXTRA) torch==2.13.0
-	$(BENCH_VENV)/bin/pip install --quiet -e '.[cpu,dev]' -r bench/requirements-torchrec.txt
+	$(BENCH_VENV)/bin/pip install --quiet -e '.[cpu,dev]' -r bench/requirements-torchrec.txt \
+		-r bench/requirements-peers.txt
 	$(BENCH_VENV)/bin/pip install --quiet --no-deps torchrec==1.8.0
 	@touch $@
 
@@ -71,6 +72,8 @@ bench: setup bench-env
 	$(BENCH_VENV)/bin/python bench/train_throughput.py
 	$(BENCH_VENV)/bin/python bench/distributed_throughput.py
 	$(BIN)/python bench/quality.py
+	$(BIN)/python bench/defaults.py
+	$(BENCH_VENV)/bin/python bench/peers.py
 	$(BIN)/python bench/serving.py
 	$(BIN)/python bench/dmt.py
 
