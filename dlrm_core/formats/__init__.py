@@ -59,7 +59,7 @@ class InputReader:
                 path = self.files[file_index]
                 names = self.format.column_names(path)
                 positions = feature_positions(self.spec, names, str(path), self.with_label)
-                layout = FileLayout(path, names, positions)
+                layout = FileLayout(path, names, positions, self.format.first_row_line(path))
                 if isinstance(self.format, ParquetFormat):
                     self.format.check_types(layout)
                 self._layouts[file_index] = layout
@@ -68,7 +68,7 @@ class InputReader:
     def row_numbers(self, file_index: int, lines: np.ndarray) -> np.ndarray:
         """The data-row ordinals (1-based, the header not counted) of rows at ``lines`` of file
         ``file_index``: the same rows of a table in CSV and in Parquet get the same numbers."""
-        return lines - (self.format.first_row_line(self.files[file_index]) - 1)
+        return lines - (self.layout(file_index).first_row - 1)
 
     def check(self) -> None:
         """Open every file and find the schema's columns in it (fail early, naming file and

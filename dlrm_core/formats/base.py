@@ -45,6 +45,8 @@ class FileLayout:
     """Every column of the file, in order."""
     positions: dict[str, int]
     """Position of the label (key ``LABEL``) and of each feature's column (key: its name)."""
+    first_row: int = 1
+    """The file line (1-based) of its first data row: 2 after a header, else 1."""
 
     @property
     def used(self) -> list[int]:
