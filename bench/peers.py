@@ -43,6 +43,7 @@ from dense_trainer.data.split import RowSplit  # noqa: E402 (numpy only)
 
 SHARED = REPO.parent / "shared" / "data"
 C_GRID = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+# = dlrm_core.schema.CRITEO_COLUMNS, copied: this script runs without the project installed
 CRITEO = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
 THREADS = 2
 

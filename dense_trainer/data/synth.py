@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 
 from dense_trainer.data.teacher import bayes_record, draw, solve_intercept, write_split, zipf_cdf
+from dlrm_core.schema import CRITEO_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -137,16 +138,13 @@ def _hex_column(values: np.ndarray, valid: np.ndarray) -> pa.Array:
     )
 
 
-NAMES = ["label"] + [f"I{i + 1}" for i in range(13)] + [f"C{i + 1}" for i in range(26)]
-
-
 def _table(teacher: Teacher, drawn: tuple[np.ndarray, np.ndarray], labels: np.ndarray) -> pa.Table:
     """Drawn (ids, counts) and their labels -> the columns of a Criteo line."""
     ids, counts = drawn
     cols = [pa.array(labels)]
     cols += [pa.array(c, mask=c < 0) for c in counts]
     cols += [_hex_column(teacher.hexes[j][np.maximum(ids[j], 0)], ids[j] >= 0) for j in range(26)]
-    return pa.Table.from_arrays(cols, names=NAMES)
+    return pa.Table.from_arrays(cols, names=CRITEO_COLUMNS)
 
 
 class _TsvSink:

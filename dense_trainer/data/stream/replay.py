@@ -24,9 +24,9 @@ import redis
 
 from dense_trainer.data.stream.joiner import IMPRESSION_ID, LABEL
 from dlrm_core.errors import ConfigError, DataError
+from dlrm_core.schema import CRITEO_COLUMNS
 from dlrm_core.secrets import redact_url
 
-CRITEO = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
 BATCH = 500
 """Entries written per pipelined round trip at most."""
 
@@ -44,7 +44,7 @@ def rows_of(path: Path, label: str, chunk_rows: int = 65_536) -> Iterator[dict[s
         batches = pq.ParquetFile(path).iter_batches(batch_size=chunk_rows)
     else:
         criteo = path.suffix in (".txt", ".gz") or path.name.endswith(".txt.gz")
-        read = pcsv.ReadOptions(column_names=CRITEO if criteo else None, block_size=1 << 22)
+        read = pcsv.ReadOptions(column_names=CRITEO_COLUMNS if criteo else None, block_size=1 << 22)
         parse = pcsv.ParseOptions(delimiter="\t" if criteo or path.suffix == ".tsv" else ",")
         convert = pcsv.ConvertOptions(strings_can_be_null=True, quoted_strings_can_be_null=False)
         try:
