@@ -135,3 +135,17 @@ def test_replay_reads_criteo_files_at_its_rate(redis_server, criteo_sample):
     assert r.xlen(imp) == 200 and r.xlen(clk) == stats.clicks > 0
     first = r.xrange(imp, count=1)[0][1]
     assert first["impression_id"] == "r-0" and "label" not in first and "I1" in first
+
+
+def test_replay_names_a_missing_file_and_a_dead_redis_without_its_password(tmp_path, capsys):
+    assert main(["stream", "replay", str(tmp_path / "none.parquet")]) != 0
+    assert "none.parquet: no such file" in capsys.readouterr().err
+    (tmp_path / "t.csv").write_text("label,a\n1,x\n")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"redis://u:s3cret@127.0.0.1:{port}/0"
+    with pytest.raises(DlrmError) as err:
+        replay([tmp_path / "t.csv"], url, rate=1000, timeout_s=0.5)
+    assert "could not publish the rows" in str(err.value) and "ConnectionError" in str(err.value)
+    assert "s3cret" not in str(err.value) and "***" in str(err.value)

@@ -72,8 +72,8 @@ class RedisStreamSource(StreamSource):
                     if "BUSYGROUP" not in str(exc):
                         raise
 
-    def _errors(self, what: str):
-        return _RedisErrors(self, what)
+    def _errors(self, what: str) -> RedisErrors:
+        return RedisErrors(self.url, self._secrets, what)
 
     def read(self, count: int, block_s: float) -> list[Entry]:
         for _ in range(2):  # once more when our own pending entries ran out
@@ -129,19 +129,25 @@ class RedisStreamSource(StreamSource):
         self.client.close()
 
 
-class _RedisErrors:
-    """Turns a Redis failure into one line naming the URL (redacted) and what was being done."""
+class RedisErrors:
+    """Turns a Redis failure into one line naming the URL (redacted) and what was being done.
 
-    def __init__(self, source: RedisStreamSource, what: str) -> None:
-        self.source, self.what = source, what
+    Args:
+        url: the URL, already redacted.
+        secrets: passwords scrubbed from the failure's own text.
+        what: what was being done ("read", "publish the rows", ...).
+    """
 
-    def __enter__(self):
+    def __init__(self, url: str, secrets: Sequence[str | None], what: str) -> None:
+        self.url, self.secrets, self.what = url, secrets, what
+
+    def __enter__(self) -> RedisErrors:
         return self
 
     def __exit__(self, kind, exc, tb):
         if exc is None or not isinstance(exc, redis.RedisError):
             return False
-        detail = scrub(str(exc), self.source._secrets)
+        detail = scrub(str(exc), self.secrets)
         raise DlrmError(
-            f"stream {self.source.url}: could not {self.what} ({type(exc).__name__}: {detail})"
+            f"stream {self.url}: could not {self.what} ({type(exc).__name__}: {detail})"
         ) from None

@@ -23,9 +23,11 @@ import pyarrow.parquet as pq
 import redis
 
 from dense_trainer.data.stream.joiner import IMPRESSION_ID, LABEL
+from dense_trainer.data.stream.redis_streams import RedisErrors
 from dlrm_core.errors import ConfigError, DataError
+from dlrm_core.formats import check_files
 from dlrm_core.schema import CRITEO_COLUMNS
-from dlrm_core.secrets import redact_url
+from dlrm_core.secrets import redact_url, url_password
 
 BATCH = 500
 """Entries written per pipelined round trip at most."""
@@ -87,12 +89,16 @@ def replay(
     (a second replay of the same file makes other impressions)."""
     if rate <= 0:
         raise ConfigError(f"--rate {rate}: must be positive")
-    client = redis.Redis.from_url(url, socket_timeout=timeout_s, decode_responses=True)
+    check_files(files, "input")
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, decode_responses=True)
+    except (ValueError, TypeError):
+        raise ConfigError(f"stream URL {redact_url(url)}: not a valid Redis URL") from None
     stats, t0 = ReplayStats(), time.monotonic()
     delayed: list[tuple[float, int, dict]] = []  # (due, n, click fields), a heap
     pipe, queued = client.pipeline(transaction=False), 0
     n = 0
-    try:
+    with client, RedisErrors(redact_url(url), [url_password(url)], "publish the rows"):
         for path in files:
             for row in rows_of(path, label):
                 if max_rows and n >= max_rows:
@@ -122,10 +128,6 @@ def replay(
                 time.sleep(min(wait, 0.05))
             queued += _flush_clicks(pipe, clicks, delayed, time.monotonic(), stats)
         _send(pipe, queued)
-    except redis.RedisError as exc:
-        raise ConfigError(f"stream {redact_url(url)}: {type(exc).__name__}") from None
-    finally:
-        client.close()
     stats.seconds = time.monotonic() - t0
     return stats
 
