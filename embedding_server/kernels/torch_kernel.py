@@ -99,11 +99,10 @@ class TorchKernel(nn.Module):
         values: torch.Tensor,
         offsets: torch.Tensor,
         grad_out: torch.Tensor,
-        settings: SparseOptimizerConfig | None = None,
+        settings: SparseOptimizerConfig,
     ) -> None:
         """Sum each table's gradients over every feature that read it, then step its rows once
-        (``settings``: the optimizer's as at the lookup; default the current ones)."""
-        settings = settings or self.scaled
+        (``settings``: the optimizer's as at the lookup)."""
         self._step += 1
         col = 0
         per_table: dict[int, tuple[list, list]] = {}
