@@ -91,6 +91,7 @@ class Trainer:
         self.rank = cluster.rank if cluster else 0
         self.trainers = cluster.roles.num_trainers if cluster else 1
         self.is_master = self.rank == 0  # logs, writes metrics and makes checkpoints current
+        self.pipelining = pipelining(cfg.dist)
         self.device = resolve_device(cfg.train.device)
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -432,7 +433,7 @@ class Trainer:
         """The next step's ids, when they may travel during this step: pipelining is on, the
         route allows it, and nothing (an evaluation, a checkpoint, the end) comes between."""
         cfg, step = self.cfg.train, self.state.step + 1
-        if not pipelining(self.cfg.dist).prefetch or not self.client.can_prefetch:
+        if not self.pipelining.prefetch or not self.client.can_prefetch:
             return None
         # one process: pushes read the maps between steps
         if self.live is not None and self.client.plan is None:
