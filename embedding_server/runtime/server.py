@@ -196,7 +196,6 @@ class EmbeddingServer:
         # per chunk: the last step's update
         self._pending: list[Update | None] = [None] * max(1, len(self.chunks))
         # exact: early lookups corrected once the update is in (the trainers expect it alike).
-        corrected = schedule.corrected
         self.corrector = (
             Corrector(
                 self.shards,
@@ -206,7 +205,7 @@ class EmbeddingServer:
                 self.transport,
                 self.timings,
             )
-            if corrected
+            if schedule.corrected
             else None
         )
 
@@ -356,7 +355,6 @@ class EmbeddingServer:
     def _after(
         self, update: Update | None, a: int, marks: list[torch.Tensor] | None, last: bool
     ) -> Update:
-
         def run() -> None:
             if update is not None:
                 update()
