@@ -183,8 +183,9 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tune",
         help="search hyper-parameters on the validation rows (never the test set)",
-        description="Train --trials models of your config with other settings (learning rates, "
-        "embedding dim, batch size, interaction, MLP sizes, weight decay, epochs), each scored "
+        description="Train --trials models of your config with other settings (learning rates "
+        "and their per-epoch decay, embedding dim, batch size, interaction, the wide part, MLP "
+        "sizes, dropout, weight decay, epochs), each scored "
         "on the validation rows, bad ones pruned early; write the best trial's whole config to "
         "OUT/best.toml (`dlrm train --config OUT/best.toml` reproduces it) and the trial table "
         "to OUT/trials.csv. It takes no test files.",
