@@ -36,7 +36,7 @@ def warm_up(dense: torch.nn.Module, meta: ModelVersion) -> None:
     each kernel are slow, and would otherwise land on the first requests."""
     width = sum(meta.spec.feature_dims)
     for batch in (1, 8, 256):
-        dense(torch.zeros(batch, len(meta.spec.dense)), torch.zeros(batch, width))
+        dense(torch.zeros(batch, meta.spec.dense_width), torch.zeros(batch, width))
 
 
 class ServingModel:

@@ -368,6 +368,12 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
         help="cap of a table's rows (default 1000000)",
     )
     c.add_argument(
+        "--missing-flags",
+        action="store_true",
+        help="give each dense column with gaps a missing flag, an input of its own (helps a "
+        "logistic regression; the default DLRM neither gains nor loses)",
+    )
+    c.add_argument(
         "--out", type=Path, required=True, metavar="CONFIG.toml", help="config file to write"
     )
     c.set_defaults(func=run_schema)
@@ -411,6 +417,7 @@ def run_schema(args: argparse.Namespace) -> int:
         args.sample_rows,
         args.format,
         args.max_rows,
+        args.missing_flags,
     )
     flags = [
         ("--ignore", args.ignore),
@@ -429,6 +436,7 @@ def run_schema(args: argparse.Namespace) -> int:
             *(["--sample-rows", str(args.sample_rows)] if args.sample_rows != 100_000 else []),
             *(["--format", args.format] if args.format != "auto" else []),
             *(["--max-rows", str(args.max_rows)] if args.max_rows != 1_000_000 else []),
+            *(["--missing-flags"] if args.missing_flags else []),
             "--out",
             str(args.out),
         ]

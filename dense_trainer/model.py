@@ -338,7 +338,7 @@ def build_served_model(
     or with a compressed tower plan (``ModelVersion.towers``) the tower modules before it."""
     dims = spec.feature_dims
     if not towers:
-        return build_dense_model(cfg, len(spec.dense), dims, embedding_dim)
+        return build_dense_model(cfg, spec.dense_width, dims, embedding_dim)
     from embedding_server.towers.module import TowerModule
     from embedding_server.towers.plan import TowerPlan
 
@@ -351,7 +351,7 @@ def build_served_model(
         TowerModule(len(t), c, dim, out_dim) for t, c in zip(features_of, outputs, strict=True)
     )
     net = build_dense_model(
-        cfg, len(spec.dense), [out_dim] * sum(outputs), out_dim, append_embeddings=True
+        cfg, spec.dense_width, [out_dim] * sum(outputs), out_dim, append_embeddings=True
     )
     return TowerDLRM(features_of, modules, net, dim)
 

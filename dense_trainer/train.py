@@ -115,7 +115,7 @@ class Trainer:
         compressed = self.towers is not None and self.towers.compressed
         self.model = build_dense_model(
             cfg.model,
-            len(self.spec.dense),
+            self.spec.dense_width,
             self.client.output_dims(),
             self.towers.out_dim if compressed else cfg.embedding.dim,
             append_embeddings=compressed,
@@ -259,7 +259,7 @@ class Trainer:
         ]
         return Steps(
             loaders,
-            len(self.spec.dense),
+            self.spec.dense_width,
             len(self.spec.categorical),
             self._agree,
             min(p.epoch for p in starts),

@@ -6,7 +6,8 @@ lists from Parquet), plus the label. Output: a :class:`ParsedBlock`:
 
 * label: 0 or 1 (``"0"``, ``"1"``, ``1.0``, ``true``); anything else is a malformed row;
 * dense: the number (missing: NaN), checked (finite; an integer where the feature says so),
-  transformed (``log1p``, ``standardize``, ``none``), missing values replaced by ``missing``;
+  transformed (``log1p``, ``standardize``, ``none``), missing values replaced by ``missing``
+  (and flagged in a column of their own where the feature has ``missing_flag``);
 * categorical: each value -> a 64-bit id (``string``: a stable hash of its UTF-8 bytes, an integer
   hashed as its decimal spelling; ``int``: its value; ``hex``: its value in hex) -> row
   ``id % rows`` of the feature's table (a ``dynamic`` table: the raw id, which the parameter node
@@ -153,11 +154,13 @@ def transform_dense(x: np.ndarray, feature: DenseFeature) -> np.ndarray:
 
 
 def transform_dense_block(x: np.ndarray, features: list[DenseFeature]) -> np.ndarray:
-    """Raw values float64 [n, I] (NaN missing) of the dense features in order -> model inputs
-    float32 [n, I]; one call per kind of transform (the column and the value path share it)."""
+    """Raw values float64 [n, len(features)] (NaN missing) of the dense features in order ->
+    model inputs float32 [n, I]: each feature's transformed value, then a 0/1 column per
+    ``missing_flag`` feature (1: missing); one call per kind of transform (the column and the
+    value path share it)."""
     x = np.asarray(x, dtype=np.float64)
-    log, std, mean, scale, missing = _dense_plan(
-        tuple((f.transform, f.mean, f.std, f.missing) for f in features)
+    log, std, mean, scale, missing, flags = _dense_plan(
+        tuple((f.transform, f.mean, f.std, f.missing, f.missing_flag) for f in features)
     )
     if len(log) == x.shape[1]:  # every feature log1p (Criteo): no column selection
         y = np.log1p(np.fmax(x, 0.0))  # fmax: NaN -> 0 (replaced below)
@@ -167,18 +170,22 @@ def transform_dense_block(x: np.ndarray, features: list[DenseFeature]) -> np.nda
             y[:, log] = np.log1p(np.fmax(x[:, log], 0.0))
         if len(std):
             y[:, std] = (x[:, std] - mean) / scale
-    return np.where(np.isnan(x), missing, y).astype(np.float32)
+    y = np.where(np.isnan(x), missing, y).astype(np.float32)
+    if len(flags):
+        y = np.concatenate([y, np.isnan(x[:, flags]).astype(np.float32)], axis=1)
+    return y
 
 
 @lru_cache(maxsize=64)
 def _dense_plan(kinds: tuple) -> tuple[np.ndarray, ...]:
-    """(transform, mean, std, missing) per feature -> (log1p columns, standardized columns, their
-    means, their scales, the missing value of every column)."""
+    """(transform, mean, std, missing, missing_flag) per feature -> (log1p columns, standardized
+    columns, their means, their scales, the missing value of every column, flagged columns)."""
     log = np.array([j for j, k in enumerate(kinds) if k[0] == "log1p"], dtype=np.intp)
     std = np.array([j for j, k in enumerate(kinds) if k[0] == "standardize"], dtype=np.intp)
     mean = np.array([kinds[j][1] or 0.0 for j in std], dtype=np.float64)
     scale = np.array([kinds[j][2] or 1.0 for j in std], dtype=np.float64)
-    return log, std, mean, scale, np.array([k[3] for k in kinds], dtype=np.float64)
+    flags = np.array([j for j, k in enumerate(kinds) if k[4]], dtype=np.intp)
+    return log, std, mean, scale, np.array([k[3] for k in kinds], dtype=np.float64), flags
 
 
 def parse_labels(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:

@@ -37,6 +37,11 @@ class DenseFeature(Section):
     with the statistics below (measured on the training data when absent); none: x as it is."""
     missing: float = 0.0
     """The model input where the value is missing (empty cell, null), after the transform."""
+    missing_flag: bool = False
+    """Give the model one more input for this feature: 1 where the value is missing, else 0, so
+    that a gap has its own effect rather than reading as the value ``missing`` (scikit-learn's
+    ``add_indicator``; LightGBM and CatBoost treat a gap as a value of its own). ``dlrm data
+    schema --missing-flags`` sets it on every column with gaps."""
     integer: bool = False
     """Values must be integers (a non-integer is a malformed line), as Criteo's counts are."""
     mean: float | None = None
@@ -150,8 +155,9 @@ class TableSpec(BaseModel):
 class FeatureSpec(BaseModel):
     """The model's input schema, resolved: label, features, tables and the input format.
 
-    Shape letters: I = ``len(dense)`` dense features, F = ``len(categorical)`` categorical
-    features, each looking up table ``tables[feature_tables[f]]``.
+    Shape letters: I = ``dense_width`` model inputs of the ``len(dense)`` dense features (one
+    each, plus one per ``missing_flag``), F = ``len(categorical)`` categorical features, each
+    looking up table ``tables[feature_tables[f]]``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -190,6 +196,11 @@ class FeatureSpec(BaseModel):
     @property
     def dense_names(self) -> list[str]:
         return [f.name for f in self.dense]
+
+    @property
+    def dense_width(self) -> int:
+        """I, the dense model inputs: one per dense feature, then one per ``missing_flag``."""
+        return len(self.dense) + sum(f.missing_flag for f in self.dense)
 
     @property
     def sparse_names(self) -> list[str]:

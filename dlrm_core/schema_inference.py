@@ -53,6 +53,7 @@ class Profile:
     example: str | None = None  # a value that is not a number
     separator: str | None = None
     bag: bool = False  # multi-hot: a separator, or a list column
+    gaps: bool = False  # some cells empty or null
 
 
 def _storage(t: pa.DataType) -> str:
@@ -82,7 +83,7 @@ def profile(column: pa.ChunkedArray, delimiter: str) -> Profile:
     values = column.combine_chunks()
     values = values.dictionary_decode() if pa.types.is_dictionary(values.type) else values
     storage, values = _storage(values.type), _non_empty(values)
-    p = Profile(storage, str(column.type), len(values), len(values))
+    p = Profile(storage, str(column.type), len(values), len(values), gaps=len(values) < len(column))
     if not len(values) or storage in ("null", "other", "bool"):
         return p
     if storage == "list":
@@ -270,11 +271,14 @@ def _decide(sample: Sample, pos: int, p: Profile, guessed: Guess, max_rows: int)
     at = None if ref == name else ref
     if kind != "categorical":
         feat = (
-            DenseFeature(kind="dense", name=name, column=at, transform=transform)
+            DenseFeature(
+                kind="dense", name=name, column=at, transform=transform, missing_flag=p.gaps
+            )
             if kind == "dense"
             else None
         )
-        return Decision(pos, column, kind, why, transform or "", feat)
+        flagged = ", missing flag" if feat is not None and feat.missing_flag else ""
+        return Decision(pos, column, kind, why, (transform or "") + flagged, feat)
     rows = table_rows(p.distinct, p.values, max_rows)
     feat = CategoricalFeature(
         kind="categorical",
@@ -340,8 +344,10 @@ def infer_schema(
     sample_rows: int = SAMPLE_ROWS,
     format: str = "auto",
     max_rows: int = MAX_ROWS,
+    missing_flags: bool = False,
 ) -> InferredSchema:
-    """Decide every column of ``files`` from a sample of their first ``sample_rows`` rows.
+    """Decide every column of ``files`` from a sample of their first ``sample_rows`` rows
+    (``missing_flags``: set ``missing_flag`` on each dense column with gaps).
 
     Raises:
         DataError: an unreadable file, an unknown column, a label not 0/1, a forced kind that does
@@ -368,6 +374,7 @@ def infer_schema(
                 if pos in forced
                 else guess(p, sample.table.num_rows)
             )
+            p.gaps &= missing_flags  # flag a dense column's gaps only when asked
             decisions.append(_decide(sample, pos, p, guessed, max_rows))
     if not any(d.feature for d in decisions):
         raise DataError(
@@ -395,7 +402,11 @@ class InferredSchema:
             doc["header"] = s.header
         keys = ("kind", "name", "column", "transform", "encoding", "rows", "separator")
         doc["features"] = [
-            {k: v for k, v in d.feature.model_dump().items() if k in keys and v is not None}
+            {
+                k: v
+                for k, v in d.feature.model_dump().items()
+                if (k in keys and v is not None) or (k == "missing_flag" and v)
+            }
             for d in self.decisions
             if d.feature is not None
         ]

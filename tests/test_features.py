@@ -4,7 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dlrm_core.featurize import LABEL, Featurizer, transform_dense
+from dlrm_core.featurize import LABEL, Featurizer, transform_dense, transform_dense_block
 from dlrm_core.ids import hash_strings, hex_to_uint64, raw_ids, to_rows
 from dlrm_core.schema import (
     CategoricalFeature,
@@ -124,6 +124,19 @@ def test_dense_transforms():
         ),
     )
     np.testing.assert_allclose(std, [-0.5, 0, -1, 690.5, -9], rtol=1e-6)
+
+
+def test_missing_flags_follow_the_dense_values():
+    feats = [
+        DenseFeature(kind="dense", name="a", missing_flag=True),
+        DenseFeature(kind="dense", name="b", transform="none", missing=-1),
+        DenseFeature(kind="dense", name="c", transform="none", missing_flag=True),
+    ]
+    x = np.array([[np.nan, 2.0, 3.0], [1.0, np.nan, np.nan]])
+    y = transform_dense_block(x, feats)  # a, b, c, then the flags of a and c
+    np.testing.assert_allclose(y, [[0, 2, 3, 1, 0], [np.log(2), -1, 0, 0, 1]], rtol=1e-6)
+    spec = build_spec(feats, "csv", label="y", columns=["y", "a", "b", "c"])
+    assert spec.dense_width == 5 and len(spec.dense) == 3
 
 
 def _spec():

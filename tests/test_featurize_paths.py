@@ -15,7 +15,13 @@ from dlrm_core.schema import CategoricalFeature, DenseFeature, build_spec
 
 FEATURES = [
     DenseFeature(
-        kind="dense", name="price", transform="standardize", mean=2.0, std=3.0, missing=-1.0
+        kind="dense",
+        name="price",
+        transform="standardize",
+        mean=2.0,
+        std=3.0,
+        missing=-1.0,
+        missing_flag=True,
     ),
     DenseFeature(kind="dense", name="count", transform="log1p"),
     CategoricalFeature(kind="categorical", name="user", rows=997),

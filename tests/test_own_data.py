@@ -92,7 +92,14 @@ def named_instances(path, spec):
 @pytest.mark.parametrize("backend", ["file", "redis"])
 def test_served_named_instances_reproduce_offline_auc(backend, table, tmp_path, request):
     run = tmp_path / "run"
-    metrics = Trainer(table_config(table), run).fit([table / "train.csv"], [table / "test.csv"])
+    # price's gaps get an input of their own (missing_flag): trained and served alike
+    schema = (table / "schema.toml").read_text()
+    flagged = schema.replace('name = "price"\n', 'name = "price"\nmissing_flag = true\n')
+    assert flagged != schema
+    (tmp_path / "schema.toml").write_text(flagged)
+    cfg = table_config(tmp_path)
+    assert cfg.feature_spec().dense_width == len(cfg.feature_spec().dense) + 1
+    metrics = Trainer(cfg, run).fit([table / "train.csv"], [table / "test.csv"])
     if backend == "redis":
         url = f"{request.getfixturevalue('redis_server').url}?prefix=own{uuid.uuid4().hex[:6]}"
     else:

@@ -234,6 +234,7 @@ def test_parquet_lists_ints_floats(tmp_path):
     # a list column is multi-hot as it is
     assert "separator" not in f["tags"] and f["tags"]["rows"] == 20
     assert f["score"]["transform"] == "log1p" and f["item"]["rows"] == 100
+    assert "missing_flag" not in f["score"]  # no gaps: no flag
     assert schema.config()["format"] == "parquet" and "header" not in schema.config()
     assert {d.column: d.details for d in schema.decisions}["tags"] == "string, 20 rows, lists"
     out = tmp_path / "pq.toml"
@@ -264,6 +265,8 @@ def test_criteo_sample_counts_and_categoricals():
         "column": 5,
         "transform": "log1p",
     }
+    flagged = infer_schema([CRITEO], "0", missing_flags=True)
+    assert features(flagged)["c5"]["missing_flag"] is True  # c5 has gaps
 
 
 def test_table_rows():
