@@ -263,16 +263,22 @@ class Decision:
     feature: DenseFeature | CategoricalFeature | None = None
 
 
-def _decide(sample: Sample, pos: int, p: Profile, guessed: Guess, max_rows: int) -> Decision:
+def _decide(
+    sample: Sample, pos: int, p: Profile, guessed: Guess, max_rows: int, missing_flags: bool
+) -> Decision:
     """The decision on column ``pos``, with its feature (a categorical's table sized from the
-    profile)."""
+    profile; a dense one flagging its gaps where ``missing_flags``)."""
     (kind, why, transform), column = guessed, sample.names[pos]
     name, ref = sample.feature_name(pos), sample.column_ref(pos)
     at = None if ref == name else ref
     if kind != "categorical":
         feat = (
             DenseFeature(
-                kind="dense", name=name, column=at, transform=transform, missing_flag=p.gaps
+                kind="dense",
+                name=name,
+                column=at,
+                transform=transform,
+                missing_flag=missing_flags and p.gaps,
             )
             if kind == "dense"
             else None
@@ -374,8 +380,7 @@ def infer_schema(
                 if pos in forced
                 else guess(p, sample.table.num_rows)
             )
-            p.gaps &= missing_flags  # flag a dense column's gaps only when asked
-            decisions.append(_decide(sample, pos, p, guessed, max_rows))
+            decisions.append(_decide(sample, pos, p, guessed, max_rows, missing_flags))
     if not any(d.feature for d in decisions):
         raise DataError(
             f"{sample.files[0]}: no column looks like a feature; name some with --categorical or "
