@@ -74,6 +74,9 @@ class TrainState:
     bad_lines: dict = field(default_factory=dict)
     parse_rows: int = 0
     parse_seconds: float = 0.0
+    stream: dict | None = None
+    """Online training (``online.py``): the entries to acknowledge once this checkpoint is
+    durable, and the running figures (rows, progressive scores, joins)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +95,7 @@ class TrainState:
             "best": self.best,
             "evals_since_best": self.evals_since_best,
             "stopped_early": self.stopped_early,
+            "stream": self.stream,
         }
 
     @classmethod
@@ -112,6 +116,7 @@ class TrainState:
             best=t.get("best"),
             evals_since_best=t.get("evals_since_best", 0),
             stopped_early=t.get("stopped_early"),
+            stream=t.get("stream"),
         )
 
 

@@ -73,7 +73,14 @@ def config_from_args(args: argparse.Namespace, required: tuple[str, ...] = ()) -
 
 
 def run_train(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args, ("train", "test", "out"))
+    cfg = config_from_args(args, ("out",))
+    if cfg.stream.url:
+        return run_train_stream(cfg, args)
+    for dest in ("train", "test"):
+        if not getattr(args, dest, None):
+            raise ConfigError(
+                f"--{dest} (or DLRM_{dest.upper()}) is required (or --stream URL: online)"
+            )
     if cfg.dist.towers and not cfg.dist.embedding_servers:
         raise ConfigError(
             "--towers needs --embedding-servers: the tower modules run on them (one server per "
@@ -109,6 +116,28 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         metrics = Trainer(cfg, args.out).fit(args.train, args.test, resume=args.resume)
     print(format_metrics(metrics))
+    return 0
+
+
+def run_train_stream(cfg: Config, args: argparse.Namespace) -> int:
+    """``dlrm train --stream URL``: online training, one process (the tables in it)."""
+    if args.train or args.test:
+        raise ConfigError("--stream trains from the stream: --train / --test are for files")
+    if cfg.dist.embedding_servers or cfg.dist.trainers > 1:
+        raise ConfigError(
+            "--stream runs in one process for now (no --embedding-servers / --trainers)"
+        )
+    from dense_trainer.online import train_stream
+
+    m = train_stream(cfg, args.out, args.resume)
+    fresh = m["freshness_s"]
+    print(
+        f"trained on {m['rows']:,} rows from {m['stream']} in {m['steps']:,} steps "
+        f"({m['rows_per_s'] or 0:,.0f} rows/s); progressive AUC {m['progressive_auc']:.4f}, "
+        f"log loss {m['progressive_logloss']:.4f}; trained {fresh['p50'] or 0:.2f}s after the "
+        f"event (p50), {fresh['p99'] or 0:.2f}s (p99); dead letters "
+        f"{sum(m['dead_letters'].values()):,}; metrics in {args.out / 'metrics.json'}"
+    )
     return 0
 
 

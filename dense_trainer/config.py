@@ -3,7 +3,8 @@
 Precedence: command-line flags > TOML file (``--config``) > the defaults below. A TOML file has
 one table per section: ``[data]``, ``[model]``, ``[train]`` (here), ``[optim]`` (the dense
 optimizer), ``[schedule]`` (both optimizers' rates: ``lr_schedule.py``), ``[embedding]``,
-``[dist]``, ``[live]`` (the parameter node's, in ``embedding_server``). Unknown keys are errors,
+``[dist]``, ``[live]`` (the parameter node's, in ``embedding_server``), ``[stream]`` (online
+training: ``data/stream/config.py``). Unknown keys are errors,
 with a suggestion when a known key is close; ``dlrm train --help`` lists every field as a flag
 (``dlrm_core.config``).
 """
@@ -15,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from dense_trainer.data.stream.config import StreamConfig
 from dense_trainer.lr_schedule import ScheduleConfig
 from dlrm_core import config as core_config
 from dlrm_core.config import Section, flag, parse_override
@@ -154,6 +156,7 @@ class Config(Section):
     schedule: ScheduleConfig = ScheduleConfig()
     live: LiveConfig = LiveConfig()
     dist: DistConfig = DistConfig()
+    stream: StreamConfig = StreamConfig()
 
     def feature_spec(self) -> FeatureSpec:
         """The resolved schema: features, their tables (rows, dims, pooling), the input layout."""

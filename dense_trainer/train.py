@@ -140,6 +140,7 @@ class Trainer:
             "optimizer_s": 0.0,
         }
         self.step_losses: list[float] = []
+        self.last_logits: torch.Tensor | None = None  # the last training step's, float [B]
         self.checkpoints = TrainerCheckpoints(self)  # when to cut; writing and finishing them
         self.best = BestModel(self)  # early stopping and the model the run ends with
         self.validation: HeldOut | None = None  # set by fit
@@ -183,6 +184,7 @@ class Trainer:
         set_dense_rate(self.optimizer, lr[0])
         self.client.lr_factor = lr[0]
         logits = self.forward(batch, prefetch, lr[1])
+        self.last_logits = logits.detach()  # scored before this update (progressive validation)
         labels = batch.labels.to(self.device, non_blocking=True)
         rows = batch.batch_size if global_batch is None else global_batch
         # A step of fewer rows than the batch size (an epoch's tail, where the trainers' shares

@@ -32,6 +32,7 @@ class RedisServer:
         client_certs: bool = False,
         acl_file: Path | None = None,
         admin: tuple[str, str] | None = None,
+        aof: bool = False,
     ) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
@@ -44,6 +45,8 @@ class RedisServer:
         self.password = password
         self.tls, self.client_certs = tls, client_certs
         self.acl_file, self.admin = acl_file, admin
+        self.aof = aof
+        """Append-only file, fsynced on every write: a SIGKILL loses nothing acknowledged."""
         self.proc: subprocess.Popen | None = None
 
     def url_for(self, user: str | None = None, password: str | None = None) -> str:
@@ -79,7 +82,8 @@ class RedisServer:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.aof else "no",
+            *(["--appendfsync", "always"] if self.aof else []),
             "--dbfilename",
             "dump.rdb",
             "--daemonize",
@@ -111,6 +115,12 @@ class RedisServer:
                 if time.time() > deadline or self.proc.poll() is not None:
                     raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL: no save, no goodbye (what the append-only file holds survives)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
 
     def stop(self, save: bool = True) -> None:
         if self.proc is None or self.proc.poll() is not None:

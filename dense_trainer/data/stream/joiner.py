@@ -76,6 +76,11 @@ class Joiner:
     _now_ms: int = 0
 
     @property
+    def now_ms(self) -> int:
+        """The joiner's time: the latest entry's, or the clock's when the stream was quiet."""
+        return self._now_ms
+
+    @property
     def pending(self) -> int:
         return len(self._impressions)
 

@@ -75,10 +75,11 @@ class RedisStreamSource(StreamSource):
     def _errors(self, what: str) -> RedisErrors:
         return RedisErrors(self.url, self._secrets, what)
 
-    def read(self, count: int, block_s: float) -> list[Entry]:
+    def read(self, count: int, block_s: float, streams: Sequence[str] | None = None) -> list[Entry]:
+        chosen = self.streams if streams is None else [s for s in self.streams if s in streams]
         for _ in range(2):  # once more when our own pending entries ran out
-            ids = {s: self._history[s] or ">" for s in self.streams}
-            history = [s for s in self.streams if self._history[s] is not None]
+            ids = {s: self._history[s] or ">" for s in chosen}
+            history = [s for s in chosen if self._history[s] is not None]
             block = None if history else max(1, int(min(block_s, self.max_block_s) * 1000))
             with self._errors("read"):
                 answer = self._reader.xreadgroup(

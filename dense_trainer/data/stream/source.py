@@ -9,9 +9,13 @@ stream with the reason and its id, and is acknowledged: it never stops the consu
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,10 +39,10 @@ class StreamSource(ABC):
     """Entries of one or more streams, read by one consumer of a group."""
 
     @abstractmethod
-    def read(self, count: int, block_s: float) -> list[Entry]:
-        """Up to ``count`` entries, waiting at most ``block_s`` seconds for the first: first
-        those delivered to this consumer before and never acknowledged (a restart), then new
-        ones."""
+    def read(self, count: int, block_s: float, streams: Sequence[str] | None = None) -> list[Entry]:
+        """Up to ``count`` entries of each stream (of ``streams``, default all), waiting at most
+        ``block_s`` seconds for the first: first those delivered to this consumer before and
+        never acknowledged (a restart), then new ones."""
 
     @abstractmethod
     def ack(self, entries: Sequence[Entry]) -> None:
@@ -55,3 +59,59 @@ class StreamSource(ABC):
 
     def close(self) -> None:  # noqa: B027 (nothing to release by default)
         """Release connections."""
+
+
+class RetryingSource(StreamSource):
+    """Another source whose calls are retried while it fails (a restarting Redis), for at most
+    ``reconnect_s`` seconds per call, then the failure is raised: training outlives a broker
+    restart and never waits forever on one that stays down.
+
+    Args:
+        inner: the source.
+        reconnect_s: how long one call is retried.
+        retry_on: the failures retried (the inner source's own, e.g. ``DlrmError``).
+    """
+
+    def __init__(
+        self,
+        inner: StreamSource,
+        reconnect_s: float,
+        retry_on: tuple[type[Exception], ...],
+        sleep=time.sleep,
+    ) -> None:
+        self.inner, self.reconnect_s, self.retry_on, self.sleep = (
+            inner,
+            reconnect_s,
+            retry_on,
+            sleep,
+        )
+        self.retries = 0
+
+    def _call(self, fn, *args):
+        deadline, pause = time.monotonic() + self.reconnect_s, 0.1
+        while True:
+            try:
+                return fn(*args)
+            except self.retry_on as exc:
+                if time.monotonic() + pause > deadline:
+                    raise
+                if self.retries == 0 or pause >= 1.0:
+                    log.warning("%s; retrying for up to %.0fs", exc, self.reconnect_s)
+                self.retries += 1
+                self.sleep(pause)
+                pause = min(2 * pause, 2.0)
+
+    def read(self, count: int, block_s: float, streams: Sequence[str] | None = None) -> list[Entry]:
+        return self._call(self.inner.read, count, block_s, streams)
+
+    def ack(self, entries: Sequence[Entry]) -> None:
+        self._call(self.inner.ack, entries)
+
+    def dead_letter(self, entry: Entry, reason: str) -> None:
+        self._call(self.inner.dead_letter, entry, reason)
+
+    def lag(self) -> int:
+        return self.inner.lag()
+
+    def close(self) -> None:
+        self.inner.close()
