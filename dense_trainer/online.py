@@ -148,6 +148,10 @@ class OnlineTraining:
             from dense_trainer.live import start_live
 
             start_live(t)
+        if self.cfg.metrics_port:
+            from dense_trainer.online_metrics import serve_metrics
+
+            serve_metrics(self, self.cfg.metrics_port, self.cfg.metrics_host)
         if self.cfg.trained_log:
             self._log = Path(self.cfg.trained_log).open("a", encoding="utf-8")
         started = time.monotonic()
@@ -184,12 +188,16 @@ class OnlineTraining:
             self.cfg.clicks,
             self.cfg.group,
         )
+        t_last = time.perf_counter()
         while not (self.cfg.max_rows and self.rows >= self.cfg.max_rows):
             step = self.batches.next(lambda: t._stop_signal is not None)
             if step is None:
                 return
             kind = t.checkpoints.due(s.step + 1)
             self._train(step)
+            now = time.perf_counter()
+            s.train_seconds += now - t_last  # waiting for rows included, as file training counts
+            t_last = now
             if kind:
                 self._checkpoint(kind, wait=False)
             self.acked += self.acks.durable(t.checkpoints.finalizer.latest_step, self.source)
@@ -201,7 +209,6 @@ class OnlineTraining:
         t, s = self.trainer, self.trainer.state
         sched = t.cfg.schedule
         rates = (lr_factor(sched, s.step + 1, 0), lr_factor(sched, s.step + 2, 0))
-        t0 = time.perf_counter()
         t.train_step(step.batch, lr=rates)
         self.progressive.add(t.last_logits, step.batch.labels)
         if t.live is not None:
@@ -210,7 +217,6 @@ class OnlineTraining:
         n = step.batch.batch_size
         s.samples_seen += n
         self.rows += n
-        s.train_seconds += time.perf_counter() - t0
         self.fresh_s.append(max(0.0, time.time() - step.ready_ms / 1000))
         self.acks.add(step.entries)
         self.acks.add(self.batches.take_done())
@@ -231,7 +237,7 @@ class OnlineTraining:
         recent = self.progressive.take_recent()
         total = self.progressive.summary()
         stats = self.batches.joiner.stats
-        lag = self._lag()
+        lag = self.lag()
         fresh = sorted(self.fresh_s)
         p50 = fresh[len(fresh) // 2] if fresh else float("nan")
         self.history.append(
@@ -252,7 +258,8 @@ class OnlineTraining:
             p50,
         )
 
-    def _lag(self) -> int | None:
+    def lag(self) -> int | None:
+        """Entries of the streams not yet delivered to the group (None: unknown now)."""
         try:
             return self.source.lag()
         except Exception as exc:  # a figure: never worth stopping training for
@@ -274,13 +281,16 @@ class OnlineTraining:
             "steps": s.step,
             "progressive_auc": total["auc"],
             "progressive_logloss": total["logloss"],
-            "rows_per_s": self.rows / seconds if seconds else None,
+            "rows_per_s": self.rows / s.train_seconds if s.train_seconds else None,
             "train_seconds": s.train_seconds,
             "seconds": seconds,
+            "step_time_breakdown_ms": {
+                k.removesuffix("_s"): 1e3 * v / max(s.step, 1) for k, v in t.timings.items()
+            },
             "freshness_s": {"p50": pct(0.5), "p99": pct(0.99)},
             "entries_read": self.batches.entries_read,
             "entries_acked": self.acked,
-            "lag_entries": self._lag(),
+            "lag_entries": self.lag(),
             "join": asdict(self.batches.joiner.stats),
             "join_pending": self.batches.joiner.pending,
             "dead_letters": dict(self.batches.dead),

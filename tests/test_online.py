@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 import redis
 
 from dense_trainer.data.stream.replay import rows_of
+from dense_trainer.distributed import free_port
 from dlrm_cli import main
 
 ROWS = 3000
@@ -83,18 +86,41 @@ def train_args(url, imp, clk, out, *more):
     ]
 
 
+def scrape(port: int, out: list[str], seconds: float = 60.0) -> None:
+    """Read /metrics until it has counted rows (or ``seconds`` pass)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+            out.append(text)
+            if "dlrm_stream_rows_total 0.0" not in text:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+
+
 def test_stream_training_joins_trains_and_acknowledges(redis_server, rows, tmp_path):
     tag = uuid.uuid4().hex[:8]
     imp, clk = publish(redis_server.url, rows * 4, tag)
-    log = tmp_path / "trained.tsv"
-    assert (
-        main(
-            train_args(
-                redis_server.url, imp, clk, tmp_path / "out", "--set", f"stream.trained_log={log}"
-            )
-        )
-        == 0
-    )
+    log, port = tmp_path / "trained.tsv", free_port()
+    scraped: list[str] = []
+    scraper = threading.Thread(target=scrape, args=(port, scraped), daemon=True)
+    scraper.start()
+    more = ["--set", f"stream.trained_log={log}", "--set", f"stream.metrics_port={port}"]
+    assert main(train_args(redis_server.url, imp, clk, tmp_path / "out", *more)) == 0
+    scraper.join(timeout=10)
+    assert scraped, "no /metrics answered while training"
+    text = scraped[-1]
+    for name in (
+        "dlrm_stream_rows_total",
+        "dlrm_stream_lag_entries",
+        "dlrm_join_pending",
+        "dlrm_join_late_total",
+        'dlrm_join_rows_total{how="joined"}',
+    ):
+        assert name in text
     m = json.loads((tmp_path / "out" / "metrics.json").read_text())
     clicks = 4 * sum(r.get("label") == "1" for r in rows)
     assert m["rows"] == 4 * ROWS and m["join"]["joined"] == clicks

@@ -51,5 +51,10 @@ class StreamConfig(Section):
     reconnect_s: float = Field(default=60.0, ge=0)
     """A failing Redis call is retried for this long (a broker restarting) before training stops
     with the error (a checkpoint holds what was acknowledged; ``--resume`` goes on)."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Serve Prometheus ``/metrics`` of the run on this port (0: none): ``dlrm_stream_*`` (rows,
+    lag, freshness, progressive AUC, dead letters) and ``dlrm_join_*`` (pending, late, rows)."""
+    metrics_host: str = "127.0.0.1"
+    """The address ``/metrics`` listens on (0.0.0.0: every interface)."""
     report_every_s: float = Field(default=10.0, gt=0)
     """Seconds between progress lines (progressive AUC and log loss, rows/s, lag, joins)."""
