@@ -13,7 +13,7 @@ TORCH_EXTRA := $(shell getent hosts download.pytorch.org >/dev/null 2>&1 && echo
 DEMO     ?= build/demo
 BENCH_VENV ?= .venv-bench
 
-.PHONY: setup demo test test-fast bench bench-env lint clean system-packages compose-data compose-secrets
+.PHONY: setup demo online-demo test test-fast bench bench-env lint clean system-packages compose-data compose-secrets
 
 setup: $(STAMP)
 
@@ -29,6 +29,9 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	BIN=$(BIN) DEMO=$(DEMO) bash scripts/demo.sh
+
+online-demo: setup
+	BIN=$(BIN) bash scripts/online_demo.sh
 
 # Debian's redis-server and docker-compose, for the integration tests (which skip them when
 # missing; CI installs them itself).
