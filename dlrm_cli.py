@@ -18,12 +18,12 @@ from dlrm_core.logs import setup_logging
 def build_parser() -> argparse.ArgumentParser:
     from api.cli import add_serve_parser
     from dense_trainer.cli import (
-        add_data_parser,
         add_plan_parser,
         add_plan_towers_parser,
         add_train_parser,
         add_worker_parser,
     )
+    from dense_trainer.data.cli import add_data_parser
     from dense_trainer.data.stream.cli import add_stream_parser
     from dense_trainer.tune import add_tune_parser
     from embedding_server.cli import add_publish_parser, add_store_parser

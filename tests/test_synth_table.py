@@ -9,8 +9,8 @@ import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
 
-from dense_trainer.cli import add_data_parser
 from dense_trainer.config import load_config, prepare_config
+from dense_trainer.data.cli import add_data_parser
 from dense_trainer.data.synth_table import COLUMNS, ODD_TAGS, synthesize_table
 from dlrm_core.formats import InputReader
 
