@@ -149,3 +149,25 @@ def test_replay_names_a_missing_file_and_a_dead_redis_without_its_password(tmp_p
         replay([tmp_path / "t.csv"], url, rate=1000, timeout_s=0.5)
     assert "could not publish the rows" in str(err.value) and "ConnectionError" in str(err.value)
     assert "s3cret" not in str(err.value) and "***" in str(err.value)
+
+
+def test_backfill_writes_a_past_log_at_once_and_refuses_newer_streams(
+    redis_server, tmp_path, capsys
+):
+    lines = ["id,click,user"] + [f"{i},{i % 2},u{i}" for i in range(50)]
+    (tmp_path / "t.csv").write_text("\n".join(lines) + "\n")
+    imp, clk = names("imp", "clk")
+    args = ["stream", "replay", str(tmp_path / "t.csv"), "--url", redis_server.url, "--rate",
+            "10", "--click-delay", "1", "--label", "click", "--impressions", imp, "--clicks", clk,
+            "--backfill"]  # fmt: skip
+    t0 = time.monotonic()
+    assert main(args) == 0 and time.monotonic() - t0 < 3  # 5 s of stream, written at once
+    r = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    times = [int(i.split("-")[0]) for i, _ in r.xrange(imp)]
+    gaps = {b - a for a, b in zip(times, times[1:], strict=False)}
+    assert len(times) == 50 and gaps == {100}  # 10 a second
+    assert times[-1] <= time.time() * 1000  # the past, ending about now
+    clicks = r.xrange(clk)
+    assert len(clicks) == 25 and int(clicks[0][0].split("-")[0]) == times[1] + 1000
+    assert main(args) != 0  # the streams now hold newer entries than a second backfill's start
+    assert "holds entries newer" in capsys.readouterr().err

@@ -29,6 +29,12 @@ def add_stream_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--clicks", default="clicks", help="click stream name")
     r.add_argument("--max-rows", type=int, default=0, metavar="N", help="stop after N rows")
     r.add_argument("--run", default="r", help="prefix of the impression ids (default r)")
+    r.add_argument(
+        "--backfill",
+        action="store_true",
+        help="write every row at once, as a log of the past (entry times as --rate would space "
+        "them, the last one now): a backlog for benchmarks and tests",
+    )
     r.set_defaults(func=run_replay)
 
 
@@ -45,6 +51,7 @@ def run_replay(args: argparse.Namespace) -> int:
         args.click_delay,
         args.max_rows,
         args.run,
+        backfill=args.backfill,
     )
     print(
         f"replayed {stats.impressions:,} impressions and {stats.clicks:,} clicks into "

@@ -12,6 +12,7 @@ entries are written in pipelined batches.
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -84,9 +85,17 @@ def replay(
     max_rows: int = 0,
     run: str = "r",
     timeout_s: float = 5.0,
+    backfill: bool = False,
+    ago_s: float = 0.0,
 ) -> ReplayStats:
     """Publish the files' rows; returns what was written. ``run`` prefixes the impression ids
-    (a second replay of the same file makes other impressions)."""
+    (a second replay of the same file makes other impressions).
+
+    ``backfill``: publish every row at once, as a log of the past: each entry's id carries the
+    time ``rate`` would have given it, the last click ``ago_s`` seconds before now (for
+    benchmarks and tests of a backlog: an hour of stream written in seconds); the streams must
+    be empty or hold only older entries.
+    """
     if rate <= 0:
         raise ConfigError(f"--rate {rate}: must be positive")
     check_files(files, "input")
@@ -94,42 +103,80 @@ def replay(
         client = redis.Redis.from_url(url, socket_timeout=timeout_s, decode_responses=True)
     except (ValueError, TypeError):
         raise ConfigError(f"stream URL {redact_url(url)}: not a valid Redis URL") from None
+    rows = (row for path in files for row in rows_of(path, label))
+    if max_rows:
+        rows = itertools.islice(rows, max_rows)
+    streams = (impressions, clicks, label, run)
+    t0 = time.monotonic()
+    with client, RedisErrors(redact_url(url), [url_password(url)], "publish the rows"):
+        if backfill:
+            stats = _backfill(client, list(rows), streams, rate, click_delay_s, ago_s)
+        else:
+            stats = _at_rate(client, rows, streams, rate, click_delay_s)
+    stats.seconds = time.monotonic() - t0
+    return stats
+
+
+def _at_rate(client, rows, streams, rate: float, click_delay_s: float) -> ReplayStats:
+    impressions, clicks, label, run = streams
     stats, t0 = ReplayStats(), time.monotonic()
     delayed: list[tuple[float, int, dict]] = []  # (due, n, click fields), a heap
     pipe, queued = client.pipeline(transaction=False), 0
-    n = 0
-    with client, RedisErrors(redact_url(url), [url_password(url)], "publish the rows"):
-        for path in files:
-            for row in rows_of(path, label):
-                if max_rows and n >= max_rows:
-                    break
-                due = t0 + n / rate
-                queued += _flush_clicks(pipe, clicks, delayed, time.monotonic(), stats)
-                wait = due - time.monotonic()
-                if wait > 0:
-                    queued = _send(pipe, queued)
-                    time.sleep(wait)
-                y = row.pop(label, "0")
-                key = f"{run}-{n}"
-                pipe.xadd(impressions, {IMPRESSION_ID: key, **row})
-                stats.impressions += 1
-                queued += 1
-                if y == "1":
-                    heapq.heappush(
-                        delayed, (due + click_delay_s, n, {IMPRESSION_ID: key, LABEL: "1"})
-                    )
-                if queued >= BATCH:
-                    queued = _send(pipe, queued)
-                n += 1
-        while delayed:
-            wait = delayed[0][0] - time.monotonic()
-            if wait > 0:
-                queued = _send(pipe, queued)
-                time.sleep(min(wait, 0.05))
-            queued += _flush_clicks(pipe, clicks, delayed, time.monotonic(), stats)
-        _send(pipe, queued)
-    stats.seconds = time.monotonic() - t0
+    for n, row in enumerate(rows):
+        due = t0 + n / rate
+        queued += _flush_clicks(pipe, clicks, delayed, time.monotonic(), stats)
+        wait = due - time.monotonic()
+        if wait > 0:
+            queued = _send(pipe, queued)
+            time.sleep(wait)
+        y = row.pop(label, "0")
+        key = f"{run}-{n}"
+        pipe.xadd(impressions, {IMPRESSION_ID: key, **row})
+        stats.impressions += 1
+        queued += 1
+        if y == "1":
+            heapq.heappush(delayed, (due + click_delay_s, n, {IMPRESSION_ID: key, LABEL: "1"}))
+        if queued >= BATCH:
+            queued = _send(pipe, queued)
+    while delayed:
+        wait = delayed[0][0] - time.monotonic()
+        if wait > 0:
+            queued = _send(pipe, queued)
+            time.sleep(min(wait, 0.05))
+        queued += _flush_clicks(pipe, clicks, delayed, time.monotonic(), stats)
+    _send(pipe, queued)
     return stats
+
+
+def _backfill(client, rows: list, streams, rate: float, click_delay_s: float, ago_s: float):
+    impressions, clicks, label, run = streams
+    step_ms = 1000.0 / rate
+    start_ms = int(1000 * (time.time() - ago_s - click_delay_s) - len(rows) * step_ms)
+    for stream in (impressions, clicks):
+        top = client.xrevrange(stream, count=1)
+        if top and int(top[0][0].split("-")[0]) >= start_ms:
+            raise ConfigError(
+                f"--backfill: stream {stream} holds entries newer than the backfill's start "
+                "(use new stream names, or replay without --backfill)"
+            )
+    pipe, queued, later = client.pipeline(transaction=False), 0, []
+    for n, row in enumerate(rows):
+        ms = start_ms + int(n * step_ms)
+        y = row.pop(label, "0")
+        key = f"{run}-{n}"
+        pipe.xadd(impressions, {IMPRESSION_ID: key, **row}, id=f"{ms}-{n}")
+        if y == "1":
+            later.append((ms + int(1000 * click_delay_s), n, key))
+        queued += 1
+        if queued >= BATCH:
+            queued = _send(pipe, queued)
+    for ms, n, key in later:
+        pipe.xadd(clicks, {IMPRESSION_ID: key, LABEL: "1"}, id=f"{ms}-{n}")
+        queued += 1
+        if queued >= BATCH:
+            queued = _send(pipe, queued)
+    _send(pipe, queued)
+    return ReplayStats(impressions=len(rows), clicks=len(later))
 
 
 def _flush_clicks(pipe, stream: str, delayed: list, now: float, stats: ReplayStats) -> int:
