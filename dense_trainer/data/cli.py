@@ -42,6 +42,29 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--zipf", type=float, default=1.1, help="Zipf exponent of the id laws (default 1.1)"
     )
+    s.add_argument(
+        "--drift",
+        type=int,
+        default=0,
+        metavar="K",
+        help="a drifting click log (Criteo layout): the training rows in K segments, "
+        "DIR/segment-NNN.txt in time order, preferences moving and new ids arriving between "
+        "them; DIR/drift.json holds each segment's Bayes-optimal AUC",
+    )
+    s.add_argument(
+        "--drift-change",
+        type=float,
+        default=0.5,
+        metavar="R",
+        help="share of each value's preference variance drawn anew per segment (default 0.5)",
+    )
+    s.add_argument(
+        "--drift-new-ids",
+        type=float,
+        default=0.2,
+        metavar="R",
+        help="share of each vocabulary replaced by new ids per segment (default 0.2)",
+    )
     s.set_defaults(func=run_synth)
     c = dsub.add_parser(
         "schema",
@@ -107,6 +130,8 @@ def run_synth(args: argparse.Namespace) -> int:
     ctr = args.ctr if args.ctr is not None else 0.2 if table else 0.25
     if not 0 < ctr < 1:
         raise ConfigError("--ctr must be between 0 and 1")
+    if args.drift:
+        return _run_drift(args, table, ctr)
     try:
         if table:
             bayes = synthesize_table(
@@ -117,6 +142,33 @@ def run_synth(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"--out {args.out}: {exc.strerror or exc}") from None
     print(json.dumps(bayes, indent=2))
+    return 0
+
+
+def _run_drift(args: argparse.Namespace, table: bool, ctr: float) -> int:
+    from dense_trainer.data.drift import synthesize_drifting
+
+    if table:
+        raise ConfigError("--drift writes the Criteo layout (leave out --format)")
+    if args.drift < 2 or args.train_rows < args.drift:
+        raise ConfigError("--drift K: at least 2 segments, and --train-rows at least K")
+    if not (0 <= args.drift_change <= 1 and 0 <= args.drift_new_ids <= 1):
+        raise ConfigError("--drift-change and --drift-new-ids must be between 0 and 1")
+    try:
+        record = synthesize_drifting(
+            args.out,
+            args.train_rows,
+            args.test_rows,
+            args.drift,
+            args.seed,
+            ctr,
+            args.zipf,
+            args.drift_change,
+            args.drift_new_ids,
+        )
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out}: {exc.strerror or exc}") from None
+    print(json.dumps(record, indent=2))
     return 0
 
 
