@@ -130,6 +130,7 @@ class StreamBatches:
         """Dead letters by reason."""
         self.entries_read = 0
         self.last_entry_at = time.monotonic()
+        self._flowing = False  # the last read was full (a backlog)
 
     def next(self, stop: Callable[[], bool]) -> StreamBatch | None:
         """The next batch; None when ``stop()`` holds or the stream stayed idle for
@@ -142,8 +143,10 @@ class StreamBatches:
                     deadline = time.monotonic() + self.cfg.max_batch_wait_s
                 if deadline is not None and time.monotonic() >= deadline:
                     break
+                # reading a backlog, look again without waiting: one just drained closes its
+                # windows by the clock at once (a trickle's reads wait: no spinning)
                 wait = IDLE_BLOCK_S if deadline is None else deadline - time.monotonic()
-                self._read(max(0.001, wait))
+                self._read(0.001 if self._flowing else max(0.001, wait))
                 if not self.rows and self._idle():
                     return None
             if stop() or not self.rows:
@@ -158,10 +161,11 @@ class StreamBatches:
         streams = self.merge.wanted()
         got = self.source.read(self.cfg.read_count, block_s, streams)
         self.entries_read += len(got)
+        self._flowing = 2 * len(got) >= self.cfg.read_count  # a backlog, not a trickle
         if got:
             self.last_entry_at = time.monotonic()
         entries = self.merge.add(streams, got)
-        for e in entries:
+        for i, e in enumerate(entries):
             feedback = e.stream == self.cfg.clicks
             reason = None if feedback else self._unknown_fields(e)
             if reason is None:
@@ -169,7 +173,9 @@ class StreamBatches:
                 self.rows.extend(rows)
             if reason is not None:
                 self._dead_letter([e], reason)
-            self.rows.extend(self.joiner.due())  # in time order: negatives as windows close
+            if feedback or i % 64 == 63:  # negatives as their windows close, in time order
+                self.rows.extend(self.joiner.due())
+        self.rows.extend(self.joiner.due())
         if not got:  # a quiet stream closes its windows by the clock (entries carry Redis's)
             self.rows.extend(self.joiner.due(int(self.clock() * 1000)))
 
@@ -198,8 +204,9 @@ class StreamBatches:
         """Rows -> a batch of their valid ones (the others dead-lettered), None if none is."""
         n = len(rows)
         columns = {LABEL: pa.array([str(r.label) for r in rows], pa.string())}
+        fields = [r.entries[0].fields for r in rows]  # the impressions' (impression_id unread)
         for name, col in self.columns.items():
-            columns[name] = pa.array([r.fields.get(col) for r in rows], pa.string())
+            columns[name] = pa.array([f.get(col) for f in fields], pa.string())
         lines = np.arange(1, n + 1, dtype=np.int64)  # row i of the batch is "line" i + 1
         parsed = self.featurizer(columns, n, lines, "stream")
         for bad in parsed.bad:

@@ -35,12 +35,16 @@ LABEL = "label"
 class Row:
     """A labelled training row and the entries it came from."""
 
-    fields: dict[str, str]
-    """The impression's fields, by column name (without ``impression_id``)."""
     label: int
     entries: list[Entry]
+    """The impression first, then its feedback (if any)."""
     joined_after_ms: int | None = None
     """How long after the impression its feedback came (None: a negative by window or bound)."""
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """The impression's fields, by column name (without ``impression_id``)."""
+        return {k: v for k, v in self.entries[0].fields.items() if k != IMPRESSION_ID}
 
 
 @dataclass
@@ -122,14 +126,14 @@ class Joiner:
 
     def _joined(self, imp: Entry, fb: Entry, label: int) -> Row:
         self.stats.joined += 1
-        return Row(_features(imp), label, [imp, fb], max(0, fb.time_ms - imp.time_ms))
+        return Row(label, [imp, fb], max(0, fb.time_ms - imp.time_ms))
 
     def _over_bound(self) -> list[Row]:
         rows = []
         while len(self._impressions) > self.max_pending:
             _, imp = self._impressions.popitem(last=False)
             self.stats.evicted += 1
-            rows.append(Row(_features(imp), 0, [imp]))
+            rows.append(Row(0, [imp]))
         while len(self._early) > self.max_pending:
             _, fb = self._early.popitem(last=False)
             self.stats.late += 1
@@ -149,7 +153,7 @@ class Joiner:
                 break
             del self._impressions[key]
             self.stats.expired += 1
-            rows.append(Row(_features(imp), 0, [imp]))
+            rows.append(Row(0, [imp]))
         while self._early and next(iter(self._early.values())).time_ms <= limit:
             _, fb = self._early.popitem(last=False)
             self.stats.late += 1
@@ -164,7 +168,3 @@ class Joiner:
     def held(self) -> list[Entry]:
         """Entries read but in no row yet (a checkpoint must not acknowledge them)."""
         return [*self._impressions.values(), *self._early.values()]
-
-
-def _features(entry: Entry) -> dict[str, str]:
-    return {k: v for k, v in entry.fields.items() if k != IMPRESSION_ID}

@@ -14,6 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class Entry:
     fields: dict[str, str]
     """Its fields, by name (a row's columns, by the schema's column names)."""
 
-    @property
+    @cached_property
     def time_ms(self) -> int:
         """When it entered the stream (the id's milliseconds)."""
         return int(self.id.split("-", 1)[0])
