@@ -122,13 +122,20 @@ def run_train_stream(cfg: Config, args: argparse.Namespace) -> int:
     """``dlrm train --stream URL``: online training, one process (the tables in it)."""
     if args.train or args.test:
         raise ConfigError("--stream trains from the stream: --train / --test are for files")
-    if cfg.dist.embedding_servers or cfg.dist.trainers > 1:
-        raise ConfigError(
-            "--stream runs in one process for now (no --embedding-servers / --trainers)"
-        )
-    from dense_trainer.online import train_stream
+    if cfg.dist.trainers > 1:
+        raise ConfigError("--stream takes one trainer for now (--trainers 1)")
+    from dense_trainer.online import stream_config, train_stream
 
-    m = train_stream(cfg, args.out, args.resume)
+    if cfg.dist.embedding_servers:  # the tables on embedding servers, this process's ranks
+        from dense_trainer.distributed import launch_local
+        from dense_trainer.rank_context import rank_context
+        from dense_trainer.run_setup import prepare_out_dir
+
+        rank_context(start=True)
+        prepare_out_dir(args.out)
+        m = launch_local(stream_config(cfg), [], [], args.out, args.resume)
+    else:
+        m = train_stream(cfg, args.out, args.resume)
     fresh = m["freshness_s"]
     print(
         f"trained on {m['rows']:,} rows from {m['stream']} in {m['steps']:,} steps "

@@ -197,7 +197,12 @@ def _run_trainer(
     )
     trainer = Trainer(cfg, out, client=client, cluster=cluster)
     cluster.heartbeat.progress = lambda: trainer.state.step
-    metrics = trainer.fit(train, test, resume=resume)
+    if cfg.stream.url:  # online: the tables on the servers, the rows from the streams
+        from dense_trainer.online import OnlineTraining
+
+        metrics = OnlineTraining(trainer).run(resume)
+    else:
+        metrics = trainer.fit(train, test, resume=resume)
     return metrics if cluster.is_master else None
 
 

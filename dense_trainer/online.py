@@ -29,9 +29,9 @@ from dense_trainer.data.stream.batches import StreamBatch, StreamBatches
 from dense_trainer.data.stream.source import Entry, RetryingSource, StreamSource
 from dense_trainer.lr_schedule import lr_factor
 from dense_trainer.progressive import Progressive, Scores
-from dense_trainer.report import peak_rss_mb
+from dense_trainer.report import cluster_metrics, peak_rss_mb
 from dense_trainer.run_setup import prepare_out_dir
-from dense_trainer.stopping import stop_signals
+from dense_trainer.stopping import stop_cluster, stop_signals
 from dense_trainer.train import Trainer
 from dlrm_core.errors import ConfigError, DlrmError
 from dlrm_core.secrets import redact_url
@@ -144,6 +144,7 @@ class OnlineTraining:
         if resume:
             t._resume()
             self._restore(t.state.stream)
+        t.wait_for_master()  # with embedding servers: they restore their pieces meanwhile
         if t.cfg.live.store and t.live is None:
             from dense_trainer.live import start_live
 
@@ -166,7 +167,8 @@ class OnlineTraining:
                 t.live.close()
             if self._log is not None:
                 self._log.close()
-        metrics = self.metrics(time.monotonic() - started)
+        cluster_stats = stop_cluster(t)  # with embedding servers: stop them, gather figures
+        metrics = self.metrics(time.monotonic() - started, cluster_stats)
         self.source.close()
         return metrics
 
@@ -266,7 +268,7 @@ class OnlineTraining:
             log.warning("stream lag unavailable: %s", exc)
             return None
 
-    def metrics(self, seconds: float) -> dict[str, Any]:
+    def metrics(self, seconds: float, cluster_stats: dict | None = None) -> dict[str, Any]:
         t, s = self.trainer, self.trainer.state
         fresh = sorted(self.fresh_s)
 
@@ -298,7 +300,12 @@ class OnlineTraining:
             "peak_rss_mb": peak_rss_mb(),
             "config": t.cfg.model_dump(mode="json"),
             "checkpoints": {"written": len(t.checkpoints.finalizer.completed)},
+            "embedding_servers": t.cluster.roles.num_servers if t.cluster else 0,
         }
+        if cluster_stats is not None:
+            out.update(
+                cluster_metrics(cluster_stats, sum(t.client.output_dims()), len(t.spec.tables), s)
+            )
         if t.live is not None:
             out["live_updates"] = t.live.stats()
         (t.out_dir / "metrics.json").write_text(json.dumps(out, indent=2, default=str) + "\n")

@@ -172,7 +172,7 @@ def _steps_of(log: Path) -> list[tuple[int, str]]:
     return [(int(s), i) for s, i in (line.split("\t") for line in log.read_text().splitlines())]
 
 
-def start_training(url, rows, tmp_path):
+def start_training(url, rows, tmp_path, *more):
     """12,000 impressions published, and `dlrm train --stream` started on them (a checkpoint
     every 7 steps, every row trained on logged)."""
     tag = uuid.uuid4().hex[:8]
@@ -181,6 +181,7 @@ def start_training(url, rows, tmp_path):
     args = [
         *train_args(url, imp, clk, out, "--set", f"stream.trained_log={log}"),
         *("--set", "train.checkpoint_every_steps=7", "--train.threads", "1"),
+        *more,
     ]
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlrm_cli", *args],
@@ -195,21 +196,41 @@ def start_training(url, rows, tmp_path):
 def test_a_killed_trainer_resumes_with_nothing_lost_and_duplicates_after_its_checkpoint(
     redis_server, rows, tmp_path
 ):
-    tag, imp, clk, log, args, proc = start_training(redis_server.url, rows, tmp_path)
+    kill_and_resume(redis_server.url, rows, tmp_path, "trainer")
+
+
+def test_a_killed_embedding_server_ends_the_job_and_resume_loses_nothing(
+    redis_server, rows, tmp_path
+):
+    kill_and_resume(redis_server.url, rows, tmp_path, "server")
+
+
+def kill_and_resume(url, rows, tmp_path, victim: str) -> None:
+    """SIGKILL the trainer (one process) or the embedding server (a job of one of each) once a
+    checkpoint is written, resume, and count from the trained-rows log: every impression trained
+    at least once, twice only those after the checkpoint the job resumed from."""
+    more = ["--embedding-servers", "1"] if victim == "server" else []
+    tag, imp, clk, log, args, proc = start_training(url, rows, tmp_path, *more)
     cli, out = [sys.executable, "-m", "dlrm_cli"], tmp_path / "out"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     while not list((out / "checkpoints").glob("step-*[0-9]")) or len(_steps_of(log)) < 5000:
         assert proc.poll() is None, proc.stderr.read()
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
+    if victim == "server":
+        pid = json.loads((out / "ranks" / "rank-1.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0 and "embedding server" in err  # the job ends naming it
+    else:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
     first = _steps_of(log)
     done = subprocess.run([*cli, *args, "--resume"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     both = _steps_of(log)
     resumed_at = both[len(first)][0] - 1  # the step of the checkpoint it resumed from
-    assert f"step {resumed_at}," in done.stderr or f"step {resumed_at})" in done.stderr
+    assert f"(step {resumed_at}," in done.stderr
     trained: dict[str, list[int]] = {}
     for step, i in first:
         trained.setdefault(i, []).append(step)
