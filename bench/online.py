@@ -14,8 +14,11 @@
   segments): online training's progressive AUC on segments 1-3 against a model trained once on
   segment 0 (one pass, from the file) and served unchanged, scored on the same rows, with each
   segment's Bayes-optimal AUC beside.
+* ``memory`` (not in the default parts: minutes): ``--events`` impressions of ever-new ids
+  through 100,000-row dynamic tables, the trainer's RSS sampled (``online_memory.py``).
 
-Usage: python bench/online.py [--parts freshness,throughput,drift] [--rate 4000] [--rows 60000]
+Usage: python bench/online.py [--parts freshness,throughput,drift,memory] [--rate 4000]
+       [--rows 60000] [--events 1000000]
 Writes bench/results/online.{json,md}.
 """
 
@@ -45,6 +48,7 @@ from online_kit import (
     stream_settings,
     wait_ready,
 )
+from online_memory import memory
 
 from dense_trainer.data.drift import synthesize_drifting
 from dense_trainer.data.stream.replay import replay, rows_of
@@ -228,6 +232,18 @@ def render(results: dict, meta: dict) -> str:
             f"| 1-3 mean | | {d['frozen_mean_1_3']:.4f} | {d['online_mean_1_3']:.4f} "
             f"(+{d['margin']:.4f}) |", "",
         ]  # fmt: skip
+    if mem := results.get("memory"):
+        lines += [
+            "## Memory: ever-new ids through 100,000-row dynamic tables", "",
+            "| impressions | rate | rows trained | trainer RSS half way | max in the second half "
+            "| growth | freshness p50 / p99 |",
+            "|---|---|---|---|---|---|---|",
+            f"| {mem['events']:,} | {mem['rate']:,.0f}/s | {mem['rows_trained']:,} | "
+            f"{mem['rss_at_half_mb']:,.0f} MB | {mem['rss_max_second_half_mb']:,.0f} MB | "
+            f"{100 * mem['growth_second_half']:.1f}% | {mem['freshness_s']['p50']:.2f} s / "
+            f"{mem['freshness_s']['p99']:.2f} s |",
+            "",
+        ]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -240,6 +256,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=60_000, help="throughput rows")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--drift-rows", type=int, default=160_000)
+    p.add_argument("--events", type=int, default=1_000_000, help="memory: impressions")
+    p.add_argument("--memory-rate", type=float, default=5000.0, help="memory: impressions/s")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
     parts = args.parts.split(",")
@@ -262,8 +280,13 @@ def main() -> None:
         if "drift" in parts:
             results["drift"] = drift(work, args.drift_rows)
             print(json.dumps(results["drift"], indent=1), flush=True)
+        if "memory" in parts:
+            results["memory"] = memory(work, args.events, args.memory_rate)
+            print(json.dumps(results["memory"], indent=1), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "online" if len(parts) == 3 else "online-" + "-".join(parts)
+    name = (
+        "online" if parts == ["freshness", "throughput", "drift"] else "online-" + "-".join(parts)
+    )
     (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (args.out / f"{name}.md").write_text(render(results, meta))
     print(render(results, meta))
