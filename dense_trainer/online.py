@@ -68,7 +68,8 @@ class AckLog:
 
     def __init__(self) -> None:
         self.ids: dict[str, list[str]] = {}
-        self._cuts: deque[tuple[int, dict[str, int]]] = deque()  # step, ids per stream then
+        self._dropped: dict[str, int] = {}  # per stream: ids acknowledged (gone from ``ids``)
+        self._cuts: deque[tuple[int, dict[str, int]]] = deque()  # step, ids ever added then
 
     def add(self, entries: Sequence[Entry]) -> None:
         for e in entries:
@@ -76,23 +77,23 @@ class AckLog:
 
     def cut(self, step: int) -> dict[str, str]:
         """Mark what checkpoint ``step`` holds; returns it for the checkpoint to record."""
-        self._cuts.append((step, {s: len(ids) for s, ids in self.ids.items()}))
+        added = {s: self._dropped.get(s, 0) + len(ids) for s, ids in self.ids.items()}
+        self._cuts.append((step, added))
         return {s: "\n".join(ids) for s, ids in self.ids.items()}
 
     def durable(self, latest_step: int | None, source: StreamSource) -> int:
         """Acknowledge what the checkpoints up to ``latest_step`` hold; returns how many."""
         acked = 0
         while self._cuts and latest_step is not None and self._cuts[0][0] <= latest_step:
-            _, counts = self._cuts[0]
-            entries = [Entry(s, i, {}) for s, n in counts.items() for i in self.ids.get(s, [])[:n]]
+            _, added = self._cuts[0]
+            upto = {s: n - self._dropped.get(s, 0) for s, n in added.items()}
+            entries = [Entry(s, i, {}) for s, n in upto.items() for i in self.ids[s][:n]]
             source.ack(entries)  # if it fails, the cut stays: acknowledged again next time
             self._cuts.popleft()
             acked += len(entries)
-            for s, n in counts.items():
+            for s, n in upto.items():
                 self.ids[s] = self.ids[s][n:]
-            for _, later in self._cuts:
-                for s, n in counts.items():
-                    later[s] = later.get(s, 0) - n
+                self._dropped[s] = added[s]
         return acked
 
 
@@ -240,8 +241,7 @@ class OnlineTraining:
         total = self.progressive.summary()
         stats = self.batches.joiner.stats
         lag = self.lag()
-        fresh = sorted(self.fresh_s)
-        p50 = fresh[len(fresh) // 2] if fresh else float("nan")
+        p50 = self.freshness(0.5)
         self.history.append(
             {"rows": self.rows, "auc": recent["auc"], "logloss": recent["logloss"], "lag": lag}
         )
@@ -257,7 +257,7 @@ class OnlineTraining:
             f"{self.batches.joiner.pending:,}",
             f"{stats.late:,}",
             f"{sum(self.batches.dead.values()):,}",
-            p50,
+            float("nan") if p50 is None else p50,
         )
 
     def lag(self) -> int | None:
@@ -268,13 +268,13 @@ class OnlineTraining:
             log.warning("stream lag unavailable: %s", exc)
             return None
 
+    def freshness(self, q: float) -> float | None:
+        """Quantile ``q`` of the recent steps' freshness, seconds (None: no step yet)."""
+        fresh = sorted(self.fresh_s)
+        return fresh[min(len(fresh) - 1, int(q * len(fresh)))] if fresh else None
+
     def metrics(self, seconds: float, cluster_stats: dict | None = None) -> dict[str, Any]:
         t, s = self.trainer, self.trainer.state
-        fresh = sorted(self.fresh_s)
-
-        def pct(q: float) -> float | None:
-            return fresh[min(len(fresh) - 1, int(q * len(fresh)))] if fresh else None
-
         total = self.progressive.summary()
         out = {
             "mode": "stream",
@@ -289,7 +289,7 @@ class OnlineTraining:
             "step_time_breakdown_ms": {
                 k.removesuffix("_s"): 1e3 * v / max(s.step, 1) for k, v in t.timings.items()
             },
-            "freshness_s": {"p50": pct(0.5), "p99": pct(0.99)},
+            "freshness_s": {"p50": self.freshness(0.5), "p99": self.freshness(0.99)},
             "entries_read": self.batches.entries_read,
             "entries_acked": self.acked,
             "lag_entries": self.lag(),

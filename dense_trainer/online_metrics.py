@@ -67,15 +67,14 @@ class OnlineCollector:
                         value=value,
                     )
                 )
-        fresh = sorted(r.fresh_s)
-        if fresh:
+        if r.fresh_s:
             g = GaugeMetricFamily(
                 "dlrm_stream_freshness_seconds",
                 "From a row's label (its click, its window's close) to trained on, recent steps",
                 labels=["quantile"],
             )
             for q in (0.5, 0.99):
-                g.add_metric([str(q)], fresh[min(len(fresh) - 1, int(q * len(fresh)))])
+                g.add_metric([str(q)], r.freshness(q))
             out.append(g)
         lag = r.lag()
         if lag is not None:

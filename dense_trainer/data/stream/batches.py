@@ -186,11 +186,9 @@ class StreamBatches:
         )
 
     def _unknown_fields(self, entry: Entry) -> str | None:
-        if not self.cfg.strict_columns:
+        if not self.cfg.strict_columns or entry.fields.keys() <= self.known:
             return None
         extra = [k for k in entry.fields if k not in self.known]
-        if not extra:
-            return None
         return f"unknown column {extra[0]!r}" + (
             f" (and {len(extra) - 1} more)" if extra[1:] else ""
         )
