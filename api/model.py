@@ -20,8 +20,8 @@ from embedding_server.wire import NUMPY_DTYPE, QUANTIZED_BITS, ModelVersion, enc
 
 def build_dense(meta: ModelVersion, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The dense network of a version, with its weights, in inference mode."""
-    # a version published before the wide part existed has none
-    config = ModelConfig.model_validate({"wide": False, **meta.model})
+    # a version published before the wide part or the first-order weights existed has neither
+    config = ModelConfig.model_validate({"wide": False, "first_order": False, **meta.model})
     module = build_served_model(config, meta.spec, meta.embedding_dim, meta.towers)
     module.load_state_dict(state)
     module.eval()

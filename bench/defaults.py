@@ -10,7 +10,7 @@ Each run is ``dlrm train`` with the defaults and the ``--set`` overrides of its 
 once at the end. Systems:
 
 * ``lr``: our logistic regression (``model.kind = lr``), the baseline users try first;
-* ``dlrm, no wide part``: the default without ``model.wide`` (the default before it);
+* ``no first order``: the default without ``model.first_order`` (the default before it);
 * ``default``: the current defaults;
 * ``--variants``: more, by name (``VARIANTS``).
 
@@ -50,10 +50,12 @@ TABLES += [(15, 0.85, 0.3)]
 SHARED = REPO.parent / "shared" / "data"
 SYSTEMS = {
     "lr": {"model": {"kind": "lr"}},
-    "dlrm, no wide part": {"model": {"wide": False}},
+    "no first order": {"model": {"first_order": False}},
     "default": {},
 }
 VARIANTS = {
+    "no wide part": {"model": {"wide": False}},
+    "dynamic": {"embedding": {"ids": "dynamic"}},
     "dropout": {"model": {"dropout": 0.2}},
     "epoch-decay": {"schedule": {"decay": "epoch", "epoch_gamma": 0.5}},
     "dim8": {"embedding": {"dim": 8}},

@@ -212,7 +212,9 @@ class DLRMDense(nn.Module):
             effect, which dots between embeddings alone learn slowly).
         table_dims: D_f of each categorical feature (or tower output), in order (may be empty:
             then the over arch sees the bottom MLP's output alone).
-        cfg: layer sizes and interaction.
+        cfg: layer sizes and interaction; ``first_order``: each table's first column is its
+            ids' scalar weights, summed into the logit, and the interaction sees the rest
+            (``embedding_dim`` - 1 columns).
         append_embeddings: the over arch also sees the embedded vectors themselves (dot
             interaction only): with compressed towers, their outputs carry each tower's own
             interactions linearly, which dot products alone would blur.
@@ -227,6 +229,11 @@ class DLRMDense(nn.Module):
         append_embeddings: bool = False,
     ) -> None:
         super().__init__()
+        self.first_order = cfg.first_order and bool(table_dims)
+        if self.first_order:  # each table's first column is its ids' scalar weights
+            self.full_dims = list(table_dims)
+            table_dims = [t - 1 for t in table_dims]
+            embedding_dim -= 1
         self.table_dims = list(table_dims)
         d = self.dim = embedding_dim
         self.dense_arch = (
@@ -265,7 +272,27 @@ class DLRMDense(nn.Module):
             nn.init.zeros_(self.wide.bias)
 
     def forward(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """dense float [B, I], embedded float [B, sum(D_f)] -> logits float [B]."""
+        """dense float [B, I], embedded float [B, sum(D_f)] -> logits float [B]
+        (``first_order``: embedded [B, sum(1 + D_f)], each table's scalar first)."""
+        first = None
+        if self.first_order:
+            first, embedded = self._split_first_order(embedded)  # [B], [B, sum(D_f)]
+        logit = self._deep(dense, embedded)
+        return logit if first is None else logit + first
+
+    def _split_first_order(self, embedded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """embedded [B, sum(1 + D_f)] -> (sum of the tables' scalars [B], the rest
+        [B, sum(D_f)])."""
+        b = embedded.shape[0]
+        if not self.mixed_dims:
+            v = embedded.view(b, len(self.full_dims), self.dim + 1)  # [B, F, 1 + D]
+            return v[:, :, 0].sum(1), v[:, :, 1:].reshape(b, len(self.full_dims) * self.dim)
+        parts = torch.split(embedded, self.full_dims, dim=1)
+        first = torch.stack([p[:, 0] for p in parts], 1).sum(1)  # [B]
+        return first, torch.cat([p[:, 1:] for p in parts], 1)
+
+    def _deep(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """The DLRM's logit: dense [B, I], embedded [B, sum(D_f)] -> [B]."""
         if self.dense_arch is not None:
             x = self.dense_arch(dense)  # [B, D]
         else:

@@ -58,6 +58,7 @@ def interaction_strength(
     cfg = cfg.model_copy(deep=True)
     cfg.train.progress = False
     cfg.dist.embedding_servers, cfg.dist.trainers, cfg.dist.towers = 0, 1, None
+    cfg.model.first_order = False  # as the tower model will run: whole vectors
     with tempfile.TemporaryDirectory(prefix="dlrm-plan-towers-") as tmp:
         trainer = Trainer(cfg, Path(tmp))
         steps = 0

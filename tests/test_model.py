@@ -66,7 +66,10 @@ def test_over_arch_shape():
 @pytest.mark.parametrize("interaction", ["dot", "dcn"])
 def test_dlrm_dense_uniform_and_mixed_dims(interaction):
     cfg = ModelConfig(
-        interaction=interaction, dense_arch_layer_sizes=[32], over_arch_layer_sizes=[16]
+        interaction=interaction,
+        dense_arch_layer_sizes=[32],
+        over_arch_layer_sizes=[16],
+        first_order=False,
     )
     model = DLRMDense(I, [D] * F, cfg, embedding_dim=D)
     assert model(torch.randn(B, I), torch.randn(B, F * D)).shape == (B,)
@@ -121,8 +124,8 @@ def test_wide_part_adds_each_inputs_linear_term():
     from embedding_server.wire import ModelVersion
 
     torch.manual_seed(0)
-    deep = DLRMDense(3, [4, 4], ModelConfig(wide=False), embedding_dim=4)
-    wide = DLRMDense(3, [4, 4], ModelConfig(wide=True), embedding_dim=4)
+    deep = DLRMDense(3, [4, 4], ModelConfig(wide=False, first_order=False), embedding_dim=4)
+    wide = DLRMDense(3, [4, 4], ModelConfig(wide=True, first_order=False), embedding_dim=4)
     wide.load_state_dict({**deep.state_dict(), **{k: v for k, v in wide.state_dict().items()
                                                    if k.startswith("wide.")}})  # fmt: skip
     dense, embedded = torch.randn(5, 3), torch.randn(5, 8)
@@ -133,10 +136,40 @@ def test_wide_part_adds_each_inputs_linear_term():
     extra = torch.cat([dense, embedded], 1) @ torch.arange(11.0) + 0.5
     torch.testing.assert_close(wide(dense, embedded), deep(dense, embedded) + extra)
 
-    cfg = Config()
-    old = {k: v for k, v in cfg.model.model_dump(mode="json").items() if k != "wide"}
+    cfg = Config(model={"first_order": False})
+    old = {
+        k: v
+        for k, v in cfg.model.model_dump(mode="json").items()
+        if k not in ("wide", "first_order")
+    }
     spec = cfg.feature_spec()
-    net = build_served_model(ModelConfig(wide=False), spec, cfg.embedding.dim)
+    net = build_served_model(ModelConfig(wide=False, first_order=False), spec, cfg.embedding.dim)
     meta = ModelVersion(version="v", spec=spec, model=old, embedding_dim=cfg.embedding.dim)
     served = build_dense(meta, net.state_dict())  # no wide.* weights: loads
-    assert served.wide is None
+    assert served.wide is None and not served.first_order
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_first_order_weights_are_each_tables_first_column(interaction):
+    """model.first_order: tables are one column wider; logit = the model without it over the
+    other columns + the sum of each table's first column (an id's own weight)."""
+    from dense_trainer.config import Config
+
+    torch.manual_seed(0)
+    base = {"interaction": interaction, "dense_arch_layer_sizes": [8], "over_arch_layer_sizes": [8]}
+    plain = DLRMDense(I, [D] * F, ModelConfig(**base, first_order=False), embedding_dim=D)
+    first = DLRMDense(I, [D + 1] * F, ModelConfig(**base, first_order=True), embedding_dim=D + 1)
+    first.load_state_dict(plain.state_dict())  # the same parameters: the column adds none
+    dense, rest, own = torch.randn(B, I), torch.randn(B, F, D), torch.randn(B, F, 1)
+    embedded = torch.cat([own, rest], 2).flatten(1)  # [B, F * (1 + D)], each table's own first
+    want = plain(dense, rest.flatten(1)) + own.sum((1, 2))
+    torch.testing.assert_close(first(dense, embedded), want)
+    assert first(dense[:0], embedded[:0]).shape == (0,)  # a trainer's empty batch
+    mixed = [D + 1, 9, D + 1, 5] + [D + 1] * (F - 4)
+    net = DLRMDense(I, mixed, ModelConfig(**base), embedding_dim=D + 1)
+    assert net(dense, torch.randn(B, sum(mixed))).shape == (B,)
+
+    assert Config().model.first_order  # the default; the tables keep their dim
+    assert not Config(dist={"towers": "plan.json"}).model.first_order  # towers: whole vectors
+    with pytest.raises(ValueError, match="first_order"):
+        Config(embedding={"dim": 1})

@@ -102,9 +102,8 @@ def test_identity_towers_hierarchical_match_one_process(synth_small, tmp_path):
     features); with 2 emulated hosts, 2 servers per tower (the intra-tower exchange) and the
     hierarchical all-to-all, losses match one process."""
     over = {"train": {"log_step_losses": True, "max_steps": 40, "batch_size": 256}}
-    single = Trainer(tiny_config(**over, data={"interleave": 2}), tmp_path / "single").fit(
-        *files(synth_small)
-    )
+    flat = tiny_config(**over, data={"interleave": 2}, model={"first_order": False})
+    single = Trainer(flat, tmp_path / "single").fit(*files(synth_small))  # as towers run it
     cfg = tiny_config(
         **over,
         dist={
@@ -283,7 +282,7 @@ def test_pair_reliance_sees_only_pairs_the_model_uses():
     from dlrm_core.batch import Batch, SparseFeatures
 
     torch.manual_seed(0)
-    cfg = tiny_config().model
+    cfg = tiny_config(model={"first_order": False}).model  # as the planner's warm-up runs
     model = DLRMDense(13, [8] * 4, cfg, 8)
     first = model.over_arch.model[0]
     n, d = 5, 8
