@@ -124,12 +124,13 @@ def mean(runs: list[dict]) -> dict:
 
 
 def render(results: dict, meta: dict) -> str:
-    systems = list(next(iter(results.values()))["systems"])
+    systems = list(dict.fromkeys(s for r in results.values() for s in r["systems"]))
     lines = [
         f"# Defaults on tables nobody tuned for ({meta['date']}, {meta['rows']:,} train rows per "
         f"generated table, seeds {meta['seeds']})",
         "",
         f"Command: `{meta['command']}`",
+        *[f"Earlier (merged): `{m['command']}` ({m['date']})" for m in meta.get("earlier", [])],
         "",
         "Test AUC (validation log loss in brackets: what chose the default).",
         "",
@@ -138,24 +139,21 @@ def render(results: dict, meta: dict) -> str:
     ]
     for data, row in results.items():
         bayes = f"{row['bayes']:.4f}" if row["bayes"] else ""
+        got = row["systems"]
         cells = [
-            f"{row['systems'][s]['test_auc']:.4f} ({row['systems'][s]['valid_logloss']:.4f})"
+            f"{got[s]['test_auc']:.4f} ({got[s]['valid_logloss']:.4f})" if s in got else "not run"
             for s in systems
         ]
         lines.append(f"| {data} | {bayes} | " + " | ".join(cells) + " |")
     lines += ["", "| system | mean test AUC | mean valid log loss | beats lr (test AUC / valid) |"]
     lines.append("|---|---|---|---|")
     for s in systems:
-        auc = np.mean([r["systems"][s]["test_auc"] for r in results.values()])
-        ll = np.mean([r["systems"][s]["valid_logloss"] for r in results.values()])
-        wins = sum(
-            r["systems"][s]["test_auc"] > r["systems"]["lr"]["test_auc"] for r in results.values()
-        )
-        valid_wins = sum(
-            r["systems"][s]["valid_logloss"] < r["systems"]["lr"]["valid_logloss"]
-            for r in results.values()
-        )
-        lines.append(f"| {s} | {auc:.4f} | {ll:.4f} | {wins} / {valid_wins} of {len(results)} |")
+        rows = [r["systems"] for r in results.values() if s in r["systems"]]
+        auc = np.mean([r[s]["test_auc"] for r in rows])
+        ll = np.mean([r[s]["valid_logloss"] for r in rows])
+        wins = sum(r[s]["test_auc"] > r["lr"]["test_auc"] for r in rows)
+        valid_wins = sum(r[s]["valid_logloss"] < r["lr"]["valid_logloss"] for r in rows)
+        lines.append(f"| {s} | {auc:.4f} | {ll:.4f} | {wins} / {valid_wins} of {len(rows)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -166,9 +164,13 @@ def main() -> None:
     p.add_argument("--variants", default="", help=f"comma-separated: {', '.join(VARIANTS)}")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "dlrm-defaults")
     p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated data set names: run these, merged into the last results",
+    )
     args = p.parse_args()
     systems = {**SYSTEMS, **{v: VARIANTS[v] for v in args.variants.split(",") if v}}
-    results = {}
     sets = datasets(args.work, args.rows)
     write_manifest(args.work, args.rows, sets)
     meta = {
@@ -177,6 +179,19 @@ def main() -> None:
         "seeds": args.seeds,
         "command": "python bench/" + shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
+    results: dict = {}
+    if args.only:
+        only = args.only.split(",")
+        unknown = sorted(set(only) - set(sets))
+        if unknown:
+            p.error(f"--only: no data set {unknown[0]!r} (there are: {', '.join(sets)})")
+        before = json.loads((args.out / "defaults.json").read_text())
+        if (before["meta"]["rows"], before["meta"]["seeds"]) != (args.rows, args.seeds):
+            p.error("--only merges into results of the same --rows and --seeds")
+        results = before["results"]
+        earlier = before["meta"].pop("earlier", [])
+        meta["earlier"] = [*earlier, before["meta"]]
+        sets = {name: sets[name] for name in only}
     for name, (train, test, schema, bayes) in sets.items():
         row = {}
         for system, over in systems.items():
