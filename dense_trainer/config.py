@@ -168,8 +168,9 @@ class Config(Section):
     stream: StreamConfig = StreamConfig()
 
     @model_validator(mode="after")
-    def _first_order_without_towers(self) -> Config:
-        """Tower modules compress the tables' whole vectors: no first-order column with them."""
+    def _first_order_fits(self) -> Config:
+        """No first-order column with towers (tower modules compress the tables' whole vectors);
+        with it, every table needs a column left for the interaction."""
         if self.dist.towers and self.model.first_order:
             self.model.first_order = False
         if self.model.kind == "dlrm" and self.model.first_order:
