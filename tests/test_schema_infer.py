@@ -107,9 +107,9 @@ def test_generated_csv_decisions(table_csv):
     f = features(schema)
     assert f["tags"]["separator"] == "|" and f["tags"]["encoding"] == "string"
     assert f["visits"]["transform"] == "log1p" and f["price"]["transform"] == "standardize"
-    # 2x distinct, rounded up
-    assert f["city"]["rows"] == 10 and f["slot"]["rows"] == 10 and f["store"]["rows"] == 100
-    assert f["tags"]["rows"] == 50  # 12 distinct tags
+    # 5x distinct, rounded up
+    assert f["city"]["rows"] == 50 and f["slot"]["rows"] == 20 and f["store"]["rows"] == 200
+    assert f["tags"]["rows"] == 100  # 12 distinct tags
     assert all("column" not in feat for feat in f.values())  # names are the header's
     doc = schema.config()
     assert (doc["format"], doc["label"], doc["ignore"]) == ("csv", "click", ["user_id", "notes"])
@@ -127,7 +127,7 @@ def test_written_config_loads_resolves_and_reads_the_data(table_csv, tmp_path):
     assert spec.format == "csv" and spec.label == "click" and spec.header
     assert spec.dense_names == ["visits", "price"]
     assert spec.sparse_names == ["city", "tags", "store", "slot"]
-    assert {t.name: t.rows for t in spec.tables}["tags"] == 50
+    assert {t.name: t.rows for t in spec.tables}["tags"] == 100
     assert read_all(out, [table_csv]) == (ROWS, 0)
 
 
@@ -145,7 +145,7 @@ def test_gzip_and_headerless_tsv(tmp_path):
         "name": "c3",
         "column": 3,
         "encoding": "string",
-        "rows": 50,
+        "rows": 100,
         "separator": "|",
     }
     assert f["c4"]["transform"] == "log1p" and 7 in doc["ignore"]
@@ -232,11 +232,11 @@ def test_parquet_lists_ints_floats(tmp_path):
     }
     f = features(schema)
     # a list column is multi-hot as it is
-    assert "separator" not in f["tags"] and f["tags"]["rows"] == 20
-    assert f["score"]["transform"] == "log1p" and f["item"]["rows"] == 100
+    assert "separator" not in f["tags"] and f["tags"]["rows"] == 50
+    assert f["score"]["transform"] == "log1p" and f["item"]["rows"] == 500
     assert "missing_flag" not in f["score"]  # no gaps: no flag
     assert schema.config()["format"] == "parquet" and "header" not in schema.config()
-    assert {d.column: d.details for d in schema.decisions}["tags"] == "string, 20 rows, lists"
+    assert {d.column: d.details for d in schema.decisions}["tags"] == "string, 50 rows, lists"
     out = tmp_path / "pq.toml"
     out.write_text(schema.to_toml("test"))
     assert read_all(out, [path]) == (n, 0)
@@ -270,9 +270,9 @@ def test_criteo_sample_counts_and_categoricals():
 
 
 def test_table_rows():
-    assert table_rows(3, 100, 10**6) == 10 and table_rows(361, 8999, 10**6) == 1000
-    assert table_rows(7000, 9000, 10**6) == 20_000 and table_rows(7000, 9000, 5000) == 5000
-    assert table_rows(50, 50, 10**6) == 10**6 and table_rows(1, 1, 10**6) == 2
+    assert table_rows(3, 100, 10**6) == 20 and table_rows(361, 8999, 10**6) == 2000
+    assert table_rows(7000, 9000, 10**6) == 50_000 and table_rows(7000, 9000, 5000) == 5000
+    assert table_rows(50, 50, 10**6) == 10**6 and table_rows(1, 1, 10**6) == 5
 
 
 def test_header_format_and_counts_heuristics():
@@ -309,7 +309,7 @@ def test_cli_prints_the_table_and_writes_a_config(table_csv, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "| column | kind | details | why |" in proc.stdout
-    assert "| tags | categorical | string, 50 rows, separator '\\|' | multi-hot:" in proc.stdout
+    assert "| tags | categorical | string, 100 rows, separator '\\|' | multi-hot:" in proc.stdout
     assert "| city | ignored |  | forced by --ignore |" in proc.stdout
     assert f"wrote {out}" in proc.stdout
     assert "--ignore city --dense slot --out" in out.read_text().splitlines()[0]
