@@ -59,6 +59,7 @@ VARIANTS = {
     "dropout": {"model": {"dropout": 0.2}},
     "epoch-decay": {"schedule": {"decay": "epoch", "epoch_gamma": 0.5}},
     "dim8": {"embedding": {"dim": 8}},
+    "adagrad": {"embedding": {"optimizer": {"kind": "adagrad"}}},
     "dim32": {"embedding": {"dim": 32}},
     "embedding-lr-0.1": {"embedding": {"optimizer": {"lr": 0.1}}},
     "dense-lr-1e-3": {"optim": {"lr": 1e-3}},
