@@ -186,7 +186,10 @@ def main() -> None:
         unknown = sorted(set(only) - set(sets))
         if unknown:
             p.error(f"--only: no data set {unknown[0]!r} (there are: {', '.join(sets)})")
-        before = json.loads((args.out / "defaults.json").read_text())
+        last = args.out / "defaults.json"
+        if not last.exists():
+            p.error(f"--only merges into earlier results: {last} does not exist (run without it)")
+        before = json.loads(last.read_text())
         if (before["meta"]["rows"], before["meta"]["seeds"]) != (args.rows, args.seeds):
             p.error("--only merges into results of the same --rows and --seeds")
         results = before["results"]
