@@ -189,7 +189,7 @@ class Trainer:
         rows = batch.batch_size if global_batch is None else global_batch
         # A step of fewer rows than the batch size (an epoch's tail, where the trainers' shares
         # run out unevenly) weighs by its rows: its loss is the sum over the batch size, so that
-        # the row-wise Adagrad of the tables does not take a full step on a handful of rows.
+        # the Adagrad of the tables does not take a full step on a handful of rows.
         denominator = max(rows, self.cfg.train.batch_size)
         if self.trainers == 1 and rows >= denominator:
             loss = nnf.binary_cross_entropy_with_logits(logits, labels)

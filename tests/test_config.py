@@ -8,7 +8,7 @@ from .conftest import REPO
 
 def test_defaults_and_field_docs():
     cfg = Config()
-    assert cfg.embedding.optimizer.kind == "rowwise_adagrad"
+    assert cfg.embedding.optimizer.kind == "adagrad"
     # Every field of every section carries a docstring.
     for section in [
         cfg.data,
