@@ -3,9 +3,10 @@ not tuned on, the default DLRM (the schema from ``dlrm data schema``, no other s
 logistic regression by a margin, and more epochs do not end worse.
 
 MARGIN was measured (``python -m pytest tests/test_quality_guard.py -s`` prints the figures): on
-2026-12-07, with the first-order weights on and tables of 5x their values (``dlrm data schema``),
-the default (3 epochs, the best kept) scored test AUC 0.6911, one epoch 0.6881, the logistic
-regression 0.6879 (at 2x rows: 0.6933, 0.6876, 0.6864; before the first-order weights: 0.6904,
+2026-12-07, with per-element Adagrad on the rows, the default (3 epochs, the best kept) scored
+test AUC 0.6970, one epoch 0.6925, the logistic regression 0.6879 (row-wise Adagrad, tables of
+5x their values: 0.6911, 0.6881; at 2x rows: 0.6933, 0.6876, 0.6864; before the first-order
+weights: 0.6904,
 0.6832; before the wide part: 0.6888, 0.6803); the guard asks for about half of the default's
 lead, so that noise does not fail it and a default that learns no better than the baseline
 does. (On this 40k-row table 5x rows lowered the default by 0.0022; on the 100k-row tables of
@@ -21,7 +22,7 @@ from dense_trainer.data.synth_table import synthesize_table
 from dense_trainer.train import Trainer
 from dlrm_core.schema_inference import infer_schema
 
-MARGIN = 0.0015
+MARGIN = 0.0045
 QUIET = {"train": {"progress": False, "checkpoint_every_steps": 0}, "data": {"num_workers": 1}}
 
 
