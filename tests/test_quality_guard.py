@@ -6,11 +6,10 @@ MARGIN was measured (``python -m pytest tests/test_quality_guard.py -s`` prints 
 2026-12-07, with per-element Adagrad on the rows, the default (3 epochs, the best kept) scored
 test AUC 0.6970, one epoch 0.6925, the logistic regression 0.6879 (row-wise Adagrad, tables of
 5x their values: 0.6911, 0.6881; at 2x rows: 0.6933, 0.6876, 0.6864; before the first-order
-weights: 0.6904,
-0.6832; before the wide part: 0.6888, 0.6803); the guard asks for about half of the default's
-lead, so that noise does not fail it and a default that learns no better than the baseline
-does. (On this 40k-row table 5x rows lowered the default by 0.0022; on the 100k-row tables of
-bench/defaults.py they raised it.)
+weights: 0.6904, 0.6832; before the wide part: 0.6888, 0.6803); the guard asks for about half of
+the default's lead, so that noise does not fail it and a default that learns no better than the
+baseline does. (On this 40k-row table 5x rows lowered the default by 0.0022; on the 100k-row
+tables of bench/defaults.py they raised it.)
 """
 
 from __future__ import annotations
