@@ -146,6 +146,14 @@ FAULT_FILE = "last-fault.json"
 KINDS = {0: None, 1: "delta", 2: "full"}
 
 
+SETTING_OF = {
+    "embedding_dim": "embedding.dim",
+    "sparse_optimizer": "embedding.optimizer.kind",
+    "dense_optimizer": "optim.kind",
+}
+"""compat_meta keys that one setting decides: a mismatch names the flag that resumes."""
+
+
 def compat_meta(trainer: Checkpointed) -> dict[str, Any]:
     """What must match between a checkpoint and the model restoring it."""
     cfg, layout = trainer.cfg, trainer.towers
@@ -385,9 +393,11 @@ def load_checkpoint(trainer: Checkpointed, path: Path) -> TrainState:
         saved["feature_spec"] = FeatureSpec.model_validate(saved["feature_spec"]).model_dump()
     for key, value in mine.items():
         if saved.get(key) != value:
+            was = saved.get(key)
+            hint = f"; resume with --set {SETTING_OF[key]}={was}" if key in SETTING_OF else ""
             raise CheckpointError(
                 f"checkpoint {path} does not match this model: {key} differs "
-                f"(checkpoint {json.dumps(saved.get(key))[:200]}, now {json.dumps(value)[:200]})"
+                f"(checkpoint {json.dumps(was)[:200]}, now {json.dumps(value)[:200]}){hint}"
             )
     trainer.client.restore(path)
     trainer.model.load_state_dict(load_file(path, "dense.pt"))

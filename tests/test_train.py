@@ -105,3 +105,19 @@ def test_checkpoint_written_before_a_spec_field_existed_resumes(synth_small, tmp
     )
     with pytest.raises(CheckpointError, match="feature_spec differs"):
         other.fit(*files, resume=True)
+
+
+def test_a_checkpoint_of_another_optimizer_names_the_setting_that_resumes(synth_small, tmp_path):
+    """A run checkpointed under row-wise Adagrad (the default before per-element) is refused by
+    the new default, naming the flag that resumes it; that flag does."""
+    files = ([synth_small / "train.txt"], [synth_small / "test.txt"])
+    rowwise = {"optimizer": {"kind": "rowwise_adagrad"}}
+    cfg = tiny_config(train={"batch_size": 1024, "max_steps": 4}, embedding=rowwise)
+    Trainer(cfg, tmp_path / "run").fit(*files)
+    now = Trainer(tiny_config(train={"batch_size": 1024, "max_steps": 6}), tmp_path / "run")
+    hint = r"sparse_optimizer differs .*; resume with --set embedding\.optimizer\.kind="
+    hint += "rowwise_adagrad"
+    with pytest.raises(CheckpointError, match=hint):
+        now.fit(*files, resume=True)
+    again = tiny_config(train={"batch_size": 1024, "max_steps": 6}, embedding=rowwise)
+    assert Trainer(again, tmp_path / "run").fit(*files, resume=True)["steps"] == 6
